@@ -1,0 +1,32 @@
+# kvtier: `make run` starts the daemon on the embedded default, `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+DATA_DIR ?= ./data
+
+.PHONY: run test test-engines perf clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# the daemon alone: no GPU stack, no torch
+$(VENV)/.run-deps: $(PY) pyproject.toml
+	$(PIP) install -e .
+	touch $@
+
+# torch==2.13.0 first: a plain `torch` requirement would pull a multi-GB CUDA build
+$(VENV)/.test-deps: $(PY) pyproject.toml
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	touch $@
+
+run: $(VENV)/.run-deps
+	$(VENV)/bin/kvtierd --data-dir $(DATA_DIR)
+
+test: $(VENV)/.test-deps
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)
