@@ -1,0 +1,263 @@
+"""AsyncBlockClient: BlockClient's methods as coroutines (asyncio).
+
+Same ops (:mod:`kvtier.client.protocol_ops`), same pool-and-retry behaviour,
+same verification; the socket work uses asyncio streams. Payloads are copied
+once out of the stream buffer (asyncio streams offer no ``recv_into``); use
+the blocking client from a thread where every copy counts.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+from kvtier.client import protocol as p
+from kvtier.client import protocol_ops as ops
+from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, BlockLocationInfo, ClientStatistics, _lost,
+                                        geometry_from_info, limits_from_info, parse_address)
+from kvtier.client.stripe import StripeGeometry
+
+READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
+
+
+class _AsyncChannel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float):
+        self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
+        self.conn = p.Connection(p.Role.CLIENT)
+        self._next_id = 1
+        self.info: dict = {}
+
+    @classmethod
+    async def open(cls, host: str, port: int, timeout_s: float, token: str | None, name: str) -> "_AsyncChannel":
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=READ_CHUNK_BYTES),
+                                                timeout_s)
+        ch = cls(reader, writer, timeout_s)
+        try:
+            (reply,) = await ch.exchange([p.Hello(0, name, token or "")])
+        except BaseException:
+            ch.close()
+            raise
+        ch.info = dict(reply.info)
+        return ch
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def exchange(self, messages: list) -> list:
+        replies, first_error, sent = [], None, 0
+        while len(replies) < len(messages):
+            while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
+                msg = replace(messages[sent], request_id=self._next_id)
+                self._next_id += 1
+                self.writer.writelines(self.conn.send_parts(msg))
+                sent += 1
+            await asyncio.wait_for(self.writer.drain(), self.timeout_s)
+            reply = await asyncio.wait_for(self._read_reply(), self.timeout_s)
+            expected = self._next_id - (sent - len(replies))
+            if isinstance(reply, p.ErrorReply):
+                first_error = first_error or p.RemoteError(reply.code, reply.message, reply.request_id)
+                if reply.request_id == 0:
+                    raise first_error
+            elif reply.request_id != expected:
+                raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, "
+                                      f"expected {expected}")
+            replies.append(reply)
+        if first_error is not None:
+            raise first_error
+        return replies
+
+    async def _read_reply(self):
+        while True:
+            event = self.conn.next_event()
+            if event is p.NEED_DATA:
+                view = self.conn.payload_view()
+                want = READ_CHUNK_BYTES if view is None else min(view.nbytes, READ_CHUNK_BYTES)
+                data = await self.reader.read(want)
+                if view is not None and data:
+                    view[:len(data)] = data
+                    self.conn.payload_received(len(data))
+                else:
+                    self.conn.receive_data(data)
+                continue
+            if event is p.CONNECTION_CLOSED:
+                raise p.ConnectionLost("the daemon closed the connection")
+            return event
+
+
+class AsyncBlockClient:
+    """The asyncio twin of :class:`kvtier.client.BlockClient`."""
+
+    def __init__(self, address: str = "127.0.0.1:7410", token: str | None = None, pool_size: int = 4,
+                 timeout_s: float = 30.0, client_name: str = "kvtier-async-client"):
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
+        self._host, self._port = parse_address(address)
+        self._token, self._timeout_s, self._name = token, timeout_s, client_name
+        self._pool: list[_AsyncChannel] = []
+        self._slots: asyncio.Semaphore | None = None
+        self._pool_size = pool_size
+        self._info: dict | None = None
+        self._closed = False
+        self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
+                        "bytes_sent": 0, "bytes_received": 0}
+        self.limits = p.DEFAULT_LIMITS
+
+    async def __aenter__(self) -> "AsyncBlockClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, []
+        for ch in pool:
+            ch.close()
+        for ch in pool:
+            try:
+                await ch.writer.wait_closed()
+            except OSError:
+                pass
+
+    def statistics(self) -> ClientStatistics:
+        return ClientStatistics(**self._counts)
+
+    async def _connect(self) -> _AsyncChannel:
+        try:
+            ch = await _AsyncChannel.open(self._host, self._port, self._timeout_s, self._token, self._name)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise p.ConnectionLost(f"cannot connect to kvtierd at {self._host}:{self._port}: {exc}") from exc
+        self._info = ch.info
+        self.limits = limits_from_info(ch.info)
+        return ch
+
+    async def _run(self, make_op):
+        if self._closed:
+            raise p.ClientError("the client is closed")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._pool_size)
+        async with self._slots:
+            fresh = not self._pool
+            ch = await self._connect() if fresh else self._pool.pop()
+            before_in, before_out = ch.conn.bytes_received, ch.conn.bytes_sent
+            op = make_op()
+            try:
+                messages = next(op)
+                while True:
+                    replies = await ch.exchange(messages)
+                    self._counts["frames"] += len(messages)
+                    messages = op.send(replies)
+            except StopIteration as stop:
+                self._pool.append(ch)
+                return stop.value
+            except (OSError, asyncio.TimeoutError, p.ConnectionLost, p.ProtocolError) as exc:
+                ch.close()
+                raise _AsyncRetry(exc, fresh) from exc
+            except p.RemoteError as exc:
+                if exc.request_id == 0:
+                    ch.close()
+                else:
+                    self._pool.append(ch)
+                raise
+            except BaseException:
+                ch.close()
+                raise
+            finally:
+                self._counts["requests"] += 1
+                self._counts["bytes_received"] += ch.conn.bytes_received - before_in
+                self._counts["bytes_sent"] += ch.conn.bytes_sent - before_out
+
+    async def _call(self, make_op):
+        try:
+            return await self._run(make_op)
+        except _AsyncRetry as retry:
+            if retry.fresh:
+                raise _lost(retry.cause) from retry.cause
+        self._counts["reconnects"] += 1
+        try:
+            return await self._run(make_op)
+        except _AsyncRetry as retry:
+            raise _lost(retry.cause) from retry.cause
+
+    # -- the API ------------------------------------------------------------
+    async def put(self, key, block, durable: bool = False) -> int:
+        (seq,) = await self.put_many([(key, block)], durable)
+        return seq
+
+    async def put_many(self, items, durable: bool = False, ns_id: bytes | None = None) -> list[int]:
+        items = list(items)
+        return await self._call(lambda: ops.op_put_many(items, durable, ns_id, self.limits))
+
+    async def get(self, key, ns_id: bytes | None = None, copy: bool = True) -> bytes | None:
+        return (await self.get_many([key], ns_id, copy))[0]
+
+    async def get_many(self, keys, ns_id: bytes | None = None, copy: bool = True) -> list[bytes | None]:
+        """As BlockClient.get_many; ``copy`` is accepted for parity (asyncio
+        streams copy once anyway, so the blocks are always bytes)."""
+        keys = list(keys)
+        results, corrupt = await self._call(lambda: ops.op_get_many(keys, ns_id, self.limits))
+        self._counts["corrupt_blocks"] += corrupt
+        return results
+
+    async def get_into(self, key, buffer) -> int | None:
+        target = memoryview(buffer).cast("B")
+        if target.readonly:
+            raise ValueError("get_into needs a writable buffer")
+        block = await self.get(key)
+        if block is None:
+            return None
+        if len(block) > target.nbytes:
+            raise ValueError(f"block of {len(block)} bytes does not fit the {target.nbytes}-byte buffer")
+        target[:len(block)] = block
+        return len(block)
+
+    async def lookup(self, keys, ns_id: bytes | None = None) -> int:
+        keys = list(keys)
+        leading, _ = await self._call(lambda: ops.op_lookup(keys, ns_id, False, self.limits))
+        return leading
+
+    async def lookup_locations(self, keys, ns_id: bytes | None = None):
+        keys = list(keys)
+        leading, locs = await self._call(lambda: ops.op_lookup(keys, ns_id, True, self.limits))
+        return leading, [None if loc is None else BlockLocationInfo(loc.logical_offset, loc.length, loc.seq,
+                                                                    loc.sealed) for loc in locs]
+
+    async def delete(self, key) -> bool:
+        return (await self.delete_many([key]))[0]
+
+    async def delete_many(self, keys) -> list[bool]:
+        keys = list(keys)
+        return await self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits))
+
+    async def pin(self, keys) -> list[bool]:
+        keys = list(keys)
+        return await self._call(lambda: ops.op_bools(p.Pin, keys, None, self.limits))
+
+    async def unpin(self, keys) -> list[bool]:
+        keys = list(keys)
+        return await self._call(lambda: ops.op_bools(p.Unpin, keys, None, self.limits))
+
+    async def flush(self) -> None:
+        await self._call(lambda: ops.op_single(p.Flush(0)))
+
+    async def stats(self) -> dict:
+        return dict((await self._call(lambda: ops.op_single(p.Stats(0)))).stats)
+
+    async def ping(self) -> float:
+        started = time.perf_counter()
+        await self._call(lambda: ops.op_single(p.Ping(0, b"ping")))
+        return time.perf_counter() - started
+
+    async def server_info(self) -> dict:
+        if self._info is None:
+            await self.ping()
+        return self._info
+
+    async def geometry(self) -> StripeGeometry:
+        return geometry_from_info(await self.server_info())
+
+
+class _AsyncRetry(Exception):
+    def __init__(self, cause: BaseException, fresh: bool):
+        super().__init__(str(cause))
+        self.cause, self.fresh = cause, fresh

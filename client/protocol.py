@@ -1,0 +1,263 @@
+"""The data protocol as a sans-IO state machine, after h11.
+
+::
+
+    conn = Connection(Role.SERVER)
+    conn.receive_data(bytes_from_socket)     # b"" means the peer closed
+    event = conn.next_event()                # a message, NEED_DATA or CONNECTION_CLOSED
+    wire = conn.send(reply)                  # bytes to write (send_parts: header + memoryviews)
+
+Receive states, one frame at a time::
+
+    HEADER --32 bytes--> META --meta_len bytes--> PAYLOAD --payload_len--> (event) -> HEADER
+                           \\ meta rejected -> (Rejected) -> DISCARD --payload_len--> HEADER
+    any fatal error -> BROKEN (every later call raises)
+
+Zero-copy receive: while a payload is pending, :meth:`Connection.payload_view`
+returns the unfilled part of the payload buffer (allocated only after the
+limits were checked, or supplied with :meth:`Connection.set_payload_buffer`);
+the I/O layer ``recv_into``\\ s it and reports :meth:`Connection.payload_received`.
+No sockets here.
+"""
+from __future__ import annotations
+
+import enum
+
+from kvtier.client import protocol_frames as f
+from kvtier.client.protocol_messages import (  # noqa: F401  (re-exported)
+    BATCH_COUNT_MAX, DEFAULT_LIMITS, KEY_SIZE, META_BYTES_MAX, PAYLOAD_BYTES_MAX, PROTOCOL_VERSION, REPLY_BIT,
+    REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply, ErrorCode, ErrorReply, Flush,
+    FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, Lookup, LookupReply, Op, Pin, PinReply, Ping,
+    PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError, Stats, StatsReply, Unpin, UnpinReply, DEFERRED)
+
+
+class Role(enum.Enum):
+    CLIENT = "client"  # sends requests, receives replies
+    SERVER = "server"  # receives requests, sends replies
+
+
+class _Sentinel:
+    def __init__(self, name: str):
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")
+CONNECTION_CLOSED = _Sentinel("CONNECTION_CLOSED")
+
+
+class _State(enum.Enum):
+    HEADER = 1
+    META = 2
+    PAYLOAD = 3
+    DISCARD = 4
+    CLOSED = 5
+    BROKEN = 6
+
+
+class Connection:
+    """One side of one connection: frames in, messages out, and back."""
+
+    def __init__(self, role: Role, limits: Limits = DEFAULT_LIMITS):
+        self.role = role
+        self.limits = limits
+        self._decoders = f.REQUEST_DECODERS if role is Role.SERVER else f.REPLY_DECODERS
+        self._buf = bytearray()
+        self._eof = False
+        self._state = _State.HEADER
+        self._head: f.FrameHead | None = None
+        self._parsed = None
+        self._payload: memoryview | None = None
+        self._filled = 0
+        self._discard_left = 0
+        self._error: ProtocolError | None = None
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # -- receiving ----------------------------------------------------------
+    def receive_data(self, data) -> None:
+        """Feed bytes from the peer; ``b""`` marks end of stream."""
+        if not data:
+            self._eof = True
+            return
+        self.bytes_received += len(data)
+        if self._state is _State.DISCARD and not self._buf:
+            take = min(len(data), self._discard_left)
+            self._discard_left -= take
+            data = memoryview(data)[take:]
+        self._buf += data
+
+    @property
+    def in_frame(self) -> bool:
+        """True while part of a frame has arrived (for mid-frame timeouts)."""
+        return self._state in (_State.META, _State.PAYLOAD, _State.DISCARD) or bool(self._buf)
+
+    @property
+    def pending_head(self) -> f.FrameHead | None:
+        """The header of the frame whose payload is being received."""
+        return self._head if self._state is _State.PAYLOAD else None
+
+    @property
+    def pending_meta(self):
+        """The parsed meta section of that frame (e.g. GET reply lengths)."""
+        return self._parsed if self._state is _State.PAYLOAD else None
+
+    def set_payload_buffer(self, buffer) -> None:
+        """Receive the pending payload into ``buffer`` (at least payload_len bytes)."""
+        if self._state is not _State.PAYLOAD or self._payload is not None:
+            raise RuntimeError("set_payload_buffer needs a pending payload whose buffer is not yet chosen")
+        view = memoryview(buffer).cast("B")
+        if view.readonly or view.nbytes < self._head.payload_len:
+            raise ValueError(f"payload buffer of {view.nbytes} bytes (writable={not view.readonly}) "
+                             f"cannot hold {self._head.payload_len}")
+        self._payload = view[:self._head.payload_len]
+        self._drain_into_payload()
+
+    def payload_view(self) -> memoryview | None:
+        """The unfilled part of the pending payload for ``recv_into``, or None."""
+        if self._state is not _State.PAYLOAD:
+            return None
+        if self._payload is None:
+            self._payload = memoryview(bytearray(self._head.payload_len))
+            self._drain_into_payload()
+        if self._filled >= self._head.payload_len:
+            return None
+        return self._payload[self._filled:]
+
+    def payload_received(self, nbytes: int) -> None:
+        """``nbytes`` were written into the view :meth:`payload_view` returned."""
+        if self._state is not _State.PAYLOAD or self._payload is None:
+            raise RuntimeError("payload_received without a payload view")
+        if nbytes <= 0 or self._filled + nbytes > self._head.payload_len:
+            raise ValueError(f"payload_received({nbytes}) with {self._head.payload_len - self._filled} bytes left")
+        self._filled += nbytes
+        self.bytes_received += nbytes
+
+    def _drain_into_payload(self) -> None:
+        take = min(len(self._buf), self._head.payload_len - self._filled)
+        if take:
+            self._payload[self._filled:self._filled + take] = self._buf[:take]
+            del self._buf[:take]
+            self._filled += take
+
+    def next_event(self):
+        """The next complete message, :data:`NEED_DATA` or :data:`CONNECTION_CLOSED`.
+
+        Raises :class:`ProtocolError` when the framing is lost (the connection
+        is then unusable); a request refused with the framing intact comes
+        back as a :class:`Rejected` event instead."""
+        if self._state is _State.BROKEN:
+            raise ProtocolError(self._error.code, f"connection already failed: {self._error}", self._error.request_id)
+        try:
+            return self._next_event()
+        except ProtocolError as exc:
+            if exc.fatal:
+                self._state, self._error = _State.BROKEN, exc
+            raise
+
+    def _next_event(self):
+        while True:
+            state = self._state
+            if state is _State.CLOSED:
+                return CONNECTION_CLOSED
+            if state is _State.HEADER:
+                if len(self._buf) < f.FRAME_HEADER_SIZE:
+                    return self._need(f.FRAME_HEADER_SIZE)
+                self._head = self._check_role(f.parse_header(self._buf, self.limits))
+                del self._buf[:f.FRAME_HEADER_SIZE]
+                self._state = _State.META
+            elif state is _State.META:
+                head = self._head
+                if len(self._buf) < head.meta_len:
+                    return self._need(head.meta_len)
+                meta = bytes(self._buf[:head.meta_len])
+                del self._buf[:head.meta_len]
+                event = self._parse_meta(head, meta)
+                if event is not None:
+                    return event
+            elif state is _State.PAYLOAD:
+                size = self._head.payload_len
+                if self._payload is None:
+                    if len(self._buf) < size:
+                        return self._need(size)
+                    self._payload = memoryview(bytearray(size))
+                self._drain_into_payload()
+                if self._filled < size:
+                    return self._need(size)
+                return self._finish(self._decoders[self._head.base_op][1](self._head, self._parsed, self._payload))
+            elif state is _State.DISCARD:
+                take = min(len(self._buf), self._discard_left)
+                del self._buf[:take]
+                self._discard_left -= take
+                if self._discard_left:
+                    return self._need(self._discard_left)
+                self._state = _State.HEADER
+
+    def _need(self, nbytes: int):
+        if self._eof:
+            if self._state is _State.HEADER and not self._buf:
+                self._state = _State.CLOSED
+                return CONNECTION_CLOSED
+            got = self._filled if self._payload is not None else len(self._buf)
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"connection closed mid-frame in {self._state.name.lower()} "
+                                f"(truncated frame: {got} of {nbytes} bytes)",
+                                self._head.request_id if self._head and self._state is not _State.HEADER else 0)
+        return NEED_DATA
+
+    def _check_role(self, head: f.FrameHead) -> f.FrameHead:
+        if self.role is Role.CLIENT and not head.is_reply:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"expected a reply, got request op {head.op:#x}", head.request_id)
+        return head
+
+    def _parse_meta(self, head: f.FrameHead, meta: bytes):
+        decoder = self._decoders.get(head.base_op) if head.is_reply == (self.role is Role.CLIENT) else None
+        try:
+            if decoder is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {head.op:#04x}", head.request_id, fatal=False)
+            if head.flags & ~f.KNOWN_FLAGS:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown flags {head.flags:#x}", head.request_id,
+                                    fatal=False)
+            self._parsed = decoder[0](head, meta, self.limits)
+        except ProtocolError as exc:
+            if exc.fatal or self.role is Role.CLIENT:
+                exc.fatal = True
+                raise
+            rejected = Rejected(head.request_id, exc.code, str(exc))
+            self._head = self._parsed = None
+            self._discard_left = head.payload_len
+            self._state = _State.DISCARD if head.payload_len else _State.HEADER
+            return rejected  # at once: the reply need not wait for the skipped payload
+        if head.payload_len == 0:
+            return self._finish(decoder[1](head, self._parsed, memoryview(b"")))
+        self._state, self._payload, self._filled = _State.PAYLOAD, None, 0
+        return None
+
+    def _finish(self, event):
+        self._state = _State.HEADER
+        self._head = self._parsed = self._payload = None
+        self._filled = 0
+        return event
+
+    # -- sending ------------------------------------------------------------
+    def send_parts(self, message) -> list:
+        """``[header + meta, payload views...]`` for ``sendmsg`` (no payload copy)."""
+        is_request = isinstance(message, REQUEST_TYPES)
+        if is_request != (self.role is Role.CLIENT):
+            raise TypeError(f"a {self.role.value} cannot send {type(message).__name__}")
+        op, flags, rid, count, meta, payload, status = f.encode_message(message)
+        if not 0 <= rid <= f.REQUEST_ID_MAX:
+            raise ValueError(f"request id {rid} does not fit 64 bits")
+        payload_len = sum(p.nbytes for p in payload)
+        if count > self.limits.batch_count_max or len(meta) > self.limits.meta_bytes_max \
+                or payload_len > self.limits.payload_bytes_max:
+            raise ValueError(f"{type(message).__name__} of {count} items, {len(meta)} meta bytes and {payload_len} "
+                             f"payload bytes is over the frame limits {self.limits}")
+        head = f.pack_header(op, flags, rid, count, len(meta), payload_len, status)
+        self.bytes_sent += len(head) + len(meta) + payload_len
+        return [head + meta, *payload]
+
+    def send(self, message) -> bytes:
+        """The whole frame as one bytes object (copies the payload)."""
+        return b"".join(bytes(p) for p in self.send_parts(message))

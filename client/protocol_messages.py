@@ -1,0 +1,284 @@
+"""Data-protocol vocabulary: ops, error codes, limits, messages, exceptions.
+
+Pure: no I/O. Every message is a frozen dataclass; the framing lives in
+:mod:`kvtier.client.protocol_frames` and the state machine in
+:mod:`kvtier.client.protocol`. ``docs/protocol.md`` describes the bytes.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PROTOCOL_VERSION = 1
+KEY_SIZE = 16  # block keys and namespace ids (kvtier.client.keys.KEY_SIZE_BYTES)
+
+# -- limits (each checked before anything is allocated) ---------------------
+BATCH_COUNT_MAX = 16384  # keys per frame: a 256k-token chain at 16 tokens per block
+META_BYTES_MAX = 1 << 20  # item tables (16384 x 24-byte locations) and JSON documents
+PAYLOAD_BYTES_MAX = 256 << 20  # block bytes per frame: bounds one connection's buffer
+NAME_BYTES_MAX = 256  # client name in HELLO: a label, not a document
+TOKEN_BYTES_MAX = 4096  # auth token in HELLO: far above any sane secret
+PING_BYTES_MAX = 4096  # PING echo body: a liveness probe, not a transfer
+ERROR_MESSAGE_BYTES_MAX = 4096  # error text: one readable sentence or a few
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-connection limits. ``block_bytes_max`` is the largest single block
+    the peer may send (the daemon sets it to its region size)."""
+
+    batch_count_max: int = BATCH_COUNT_MAX
+    meta_bytes_max: int = META_BYTES_MAX
+    payload_bytes_max: int = PAYLOAD_BYTES_MAX
+    block_bytes_max: int = PAYLOAD_BYTES_MAX
+
+    def __post_init__(self) -> None:
+        for name in ("batch_count_max", "meta_bytes_max", "payload_bytes_max", "block_bytes_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class Op(enum.IntEnum):
+    HELLO = 0x01
+    LOOKUP = 0x02
+    GET = 0x03
+    PUT = 0x04
+    DELETE = 0x05
+    PIN = 0x06
+    UNPIN = 0x07
+    FLUSH = 0x08
+    STATS = 0x09
+    PING = 0x0A
+    ERROR = 0x7F  # a reply only
+    # replies: request op | REPLY_BIT
+
+
+REPLY_BIT = 0x80
+REQUEST_OPS = frozenset(op for op in Op if op is not Op.ERROR)
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 1  # magic, truncation, garbage: the connection is closed
+    BAD_VERSION = 2
+    LIMIT = 3  # a length or count over its limit
+    UNKNOWN_OP = 4
+    BAD_REQUEST = 5  # malformed item table, wrong key size, ...
+    BAD_BLOCK = 6  # a block that fails verification (CRC, key, size)
+    TOO_LARGE = 7  # a block larger than a region
+    NO_SPACE = 8  # every region pinned
+    AUTH = 9  # missing or wrong token
+    BUSY = 10  # over the connection limit
+    TIMEOUT = 11  # the peer stalled mid-frame
+    SHUTTING_DOWN = 12
+    INTERNAL = 13
+
+
+class ClientError(Exception):
+    """Base of kvtier's protocol and client errors."""
+
+
+class ProtocolError(ClientError):
+    """Bytes received that break the protocol (a local finding). ``fatal``
+    means the framing is lost and the connection must be closed."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0, fatal: bool = True):
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.request_id = request_id
+        self.fatal = fatal
+
+
+class RemoteError(ClientError):
+    """The daemon answered with an error frame."""
+
+    def __init__(self, code: ErrorCode | int, message: str, request_id: int = 0):
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass
+        super().__init__(f"{getattr(code, 'name', code)}: {message}")
+        self.code = code
+        self.request_id = request_id
+
+
+class ConnectionLost(ClientError):
+    """The connection closed or timed out before a reply arrived."""
+
+
+# -- requests ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    request_id: int
+    client_name: str = ""
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    request_id: int
+    keys: tuple[bytes, ...]
+    want_locations: bool = False
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Get:
+    request_id: int
+    keys: tuple[bytes, ...]
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Put:
+    """``blocks[i]`` is the full block (header + payload) stored under ``keys[i]``."""
+
+    request_id: int
+    keys: tuple[bytes, ...]
+    blocks: tuple[Any, ...]  # bytes-like
+    durable: bool = False
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    request_id: int
+    keys: tuple[bytes, ...]
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Pin:
+    request_id: int
+    keys: tuple[bytes, ...]
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Unpin:
+    request_id: int
+    keys: tuple[bytes, ...]
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Flush:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Ping:
+    request_id: int
+    data: bytes = b""
+
+
+# -- replies ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Location:
+    """Where a present block lives in the daemon's logical (striped) space."""
+
+    logical_offset: int
+    length: int
+    seq: int
+    sealed: bool
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    request_id: int
+    info: Mapping[str, Any] = field(default_factory=dict)  # JSON document
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    request_id: int
+    leading: int
+    locations: tuple[Location | None, ...] | None = None
+
+
+class _Deferred:
+    """A GET reply item left out to keep the reply under PAYLOAD_BYTES_MAX: ask again."""
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = _Deferred()
+
+
+@dataclass(frozen=True)
+class GetReply:
+    request_id: int
+    blocks: tuple[Any, ...]  # bytes-like, None (miss) or DEFERRED (not sent this time)
+
+
+@dataclass(frozen=True)
+class PutReply:
+    request_id: int
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DeleteReply:
+    request_id: int
+    results: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class PinReply:
+    request_id: int
+    results: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class UnpinReply:
+    request_id: int
+    results: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class FlushReply:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    request_id: int
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PingReply:
+    request_id: int
+    data: bytes = b""
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    request_id: int
+    code: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A request the parser refused while keeping the framing (its bytes were
+    skipped); the server answers it with an :class:`ErrorReply`."""
+
+    request_id: int
+    code: ErrorCode
+    message: str
+
+
+REQUEST_TYPES = (Hello, Lookup, Get, Put, Delete, Pin, Unpin, Flush, Stats, Ping)
+REPLY_TYPES = (HelloReply, LookupReply, GetReply, PutReply, DeleteReply, PinReply, UnpinReply,
+               FlushReply, StatsReply, PingReply, ErrorReply)

@@ -1,0 +1,116 @@
+"""Client operations as sans-IO generators, shared by the sync and async clients.
+
+Each op is a generator that yields a list of request messages (request ids
+are filled in by the driver), receives the list of replies in the same order,
+and finally returns the op's result. The driver does the I/O: it pipelines a
+yielded list on one connection and sends the replies back in. Splitting a
+batch into frames that fit the limits, and asking again for GET items the
+daemon deferred, happen here once for both clients.
+"""
+from __future__ import annotations
+
+from typing import Generator, Sequence
+
+from kvtier.client import protocol as p
+from kvtier.client.blockformat import BlockFormatError, verify_block
+
+Op = Generator[list, list, object]
+
+
+def _chunks(seq: Sequence, size: int):
+    for start in range(0, len(seq), size):
+        yield seq[start:start + size]
+
+
+def check_key(key) -> bytes:
+    key = bytes(key)
+    if len(key) != p.KEY_SIZE:
+        raise ValueError(f"a key must be {p.KEY_SIZE} bytes, got {len(key)}")
+    return key
+
+
+def op_lookup(keys: Sequence[bytes], ns_id, want_locations: bool, limits: p.Limits) -> Op:
+    """``(leading, locations or None)``; one pipelined round trip (keys are
+    checked when the frames are encoded)."""
+    keys = keys if isinstance(keys, list) else list(keys)
+    if not keys:
+        return 0, ([] if want_locations else None)
+    replies = yield [p.Lookup(0, tuple(c), want_locations, ns_id) for c in _chunks(keys, limits.batch_count_max)]
+    leading, locations, complete = 0, [], True
+    for chunk_reply, chunk in zip(replies, _chunks(keys, limits.batch_count_max)):
+        if complete:
+            leading += chunk_reply.leading
+            complete = chunk_reply.leading == len(chunk)
+        if want_locations:
+            locations.extend(chunk_reply.locations)
+    return leading, (locations if want_locations else None)
+
+
+def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = True, copy: bool = True) -> Op:
+    """Verified blocks (bytes, or read-only memoryviews without ``copy``) or
+    None per key; DEFERRED items are asked again."""
+    keys = [check_key(k) for k in keys]
+    results: list = [None] * len(keys)
+    pending = list(range(len(keys)))
+    corrupt = 0
+    while pending:
+        chunks = list(_chunks(pending, limits.batch_count_max))
+        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id) for c in chunks]
+        pending = []
+        for chunk, reply in zip(chunks, replies):
+            for i, block in zip(chunk, reply.blocks):
+                if block is p.DEFERRED:
+                    pending.append(i)
+                elif block is not None:
+                    if verify and not verify_ok(block, keys[i]):
+                        corrupt += 1
+                        continue
+                    if copy:
+                        results[i] = block if type(block) is bytes else bytes(block)
+                    else:
+                        results[i] = block if type(block) is bytes else block.toreadonly()
+    return results, corrupt
+
+
+def verify_ok(block, key: bytes) -> bool:
+    try:
+        verify_block(block, expected_key=key)
+        return True
+    except BlockFormatError:
+        return False
+
+
+def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, limits: p.Limits) -> Op:
+    """Stored sequence numbers, one per item; frames split by count and bytes."""
+    frames, keys, blocks, size = [], [], [], 0
+    for key, block in items:
+        view = memoryview(block).cast("B")
+        if view.nbytes > limits.payload_bytes_max:
+            raise ValueError(f"a block of {view.nbytes} bytes is over the frame payload limit {limits.payload_bytes_max}")
+        if keys and (len(keys) == limits.batch_count_max or size + view.nbytes > limits.payload_bytes_max):
+            frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id))
+            keys, blocks, size = [], [], 0
+        keys.append(check_key(key))
+        blocks.append(view)
+        size += view.nbytes
+    if keys:
+        frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id))
+    if not frames:
+        return []
+    replies = yield frames
+    return [seq for reply in replies for seq in reply.seqs]
+
+
+def op_bools(kind, keys: Sequence[bytes], ns_id, limits: p.Limits) -> Op:
+    """DELETE / PIN / UNPIN of a batch: one bool per key."""
+    keys = [check_key(k) for k in keys]
+    if not keys:
+        return []
+    replies = yield [kind(0, tuple(c), ns_id) for c in _chunks(keys, limits.batch_count_max)]
+    return [r for reply in replies for r in reply.results]
+
+
+def op_single(message) -> Op:
+    """FLUSH, STATS, PING, HELLO: one frame, one reply."""
+    (reply,) = yield [message]
+    return reply

@@ -1,0 +1,270 @@
+"""kvtierd configuration: command-line flags over an optional TOML file.
+
+The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
+
+    data_dir = "/var/lib/kvtier"
+    device = ["/dev/nvme1n1", "/dev/nvme2n1"]   # or omit for the embedded default
+    device_size = "1g"          # k/m/g suffixes, or an integer byte count
+    stripe_size = "1m"
+    region_size = "64m"
+    eviction = "fifo"           # or "lru"
+    listen = "127.0.0.1:7410"
+    admin = "127.0.0.1:7411"    # or "none"
+    token_file = "/etc/kvtier/token"
+    log_level = "info"
+    max_connections = 1024
+    frame_timeout = 30.0        # seconds a peer may stall mid-frame
+
+An unknown or ill-typed key is an error that names it. Pure: parses, does no I/O
+beyond reading the config file it is pointed at.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+
+EMBEDDED_DEVICE_COUNT = 4  # the embedded default: 4 file-backed devices, RAID0
+EMBEDDED_DEVICE_SIZE_BYTES = 1 << 30  # 1 GiB each: room to try kvtier without a disk to spare
+MAX_CONNECTIONS_LIMIT = 65536  # one thread per connection: beyond this, use more daemons
+LOG_LEVELS = ("debug", "info", "warning", "error")
+EVICTIONS = ("fifo", "lru")
+_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names it."""
+
+
+def parse_size(text, name: str = "size") -> int:
+    """``"64m"`` -> 67108864; plain integers pass through (k/m/g/t, base 1024)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    elif isinstance(text, str):
+        s = text.strip().lower().removesuffix("ib").removesuffix("b")
+        suffix = s[-1:] if s[-1:] in _SUFFIXES and s[-1:] else ""
+        number = s[:-1] if suffix else s
+        try:
+            value = int(number) * _SUFFIXES[suffix]
+        except ValueError:
+            raise ConfigError(f"{name}: {text!r} is not a size (a number with an optional k/m/g/t suffix)") from None
+    else:
+        raise ConfigError(f"{name}: expected a size such as '64m', got {type(text).__name__} {text!r}")
+    if value <= 0:
+        raise ConfigError(f"{name}: must be positive, got {text!r}")
+    return value
+
+
+def parse_address(text: str, name: str) -> tuple[str, int]:
+    """``"127.0.0.1:7410"`` or ``"[::1]:0"`` -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{name}: {text!r} is not HOST:PORT")
+    host = host.strip("[]")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise ConfigError(f"{name}: port {port!r} is not a number") from None
+    if not 0 <= port_n <= 65535:
+        raise ConfigError(f"{name}: port {port_n} is out of range 0..65535")
+    return host, port_n
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    data_dir: str = "./data"
+    devices: tuple[str, ...] = ()
+    device_size_bytes: int = EMBEDDED_DEVICE_SIZE_BYTES
+    stripe_size_bytes: int = 1 << 20
+    region_size_bytes: int = 64 << 20
+    eviction: str = "fifo"
+    listen: str = "127.0.0.1:7410"
+    admin: str = "127.0.0.1:7411"
+    token_file: str | None = None
+    log_level: str = "info"
+    max_connections: int = 1024
+    frame_timeout_s: float = 30.0
+    format: bool = False
+    force: bool = False
+    config_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction: {self.eviction!r} is not one of {EVICTIONS}")
+        if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
+            raise ConfigError(f"max_connections: {self.max_connections} is outside 1..{MAX_CONNECTIONS_LIMIT}")
+        if not self.frame_timeout_s > 0:
+            raise ConfigError(f"frame_timeout: must be positive, got {self.frame_timeout_s}")
+        host, _ = self.listen_address
+        if self.admin != "none":
+            parse_address(self.admin, "admin")
+        if self.token_file is None and not is_loopback(host):
+            raise ConfigError(f"listen: refusing to bind non-loopback address {host!r} without token_file")
+        if self.admin != "none" and self.token_file is None and not is_loopback(self.admin_address[0]):
+            raise ConfigError(f"admin: refusing to bind non-loopback address {self.admin!r} without token_file")
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_address(self.listen, "listen")
+
+    @property
+    def admin_address(self) -> tuple[str, int] | None:
+        return None if self.admin == "none" else parse_address(self.admin, "admin")
+
+    @property
+    def device_paths(self) -> tuple[str, ...]:
+        """The devices, or the embedded default's files in ``data_dir``."""
+        if self.devices:
+            return self.devices
+        return tuple(os.path.join(self.data_dir, f"device{i}.img") for i in range(EMBEDDED_DEVICE_COUNT))
+
+    def redacted(self) -> dict:
+        """The effective settings for display (the admin API's /config).
+        The token never lives here, only its file's path."""
+        doc = asdict(self)
+        doc["devices"] = list(self.device_paths)
+        doc["token_file"] = None if self.token_file is None else "<set>"
+        return doc
+
+    def engine_config(self):
+        """The :class:`kvtier.daemon.engine.EngineConfig` these settings describe."""
+        from kvtier.daemon.engine import EngineConfig
+        return EngineConfig(device_paths=self.device_paths, device_size_bytes=self.device_size_bytes,
+                            stripe_size_bytes=self.stripe_size_bytes, region_size_bytes=self.region_size_bytes,
+                            eviction=self.eviction)
+
+
+# TOML key -> (DaemonConfig field, converter)
+def _str(name):
+    def conv(v):
+        if not isinstance(v, str):
+            raise ConfigError(f"{name}: expected a string, got {type(v).__name__} {v!r}")
+        return v
+    return conv
+
+
+def _devices(v):
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"device: expected a list of paths, got {v!r}")
+    return tuple(v)
+
+
+def _int(name):
+    def conv(v):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"{name}: expected an integer, got {type(v).__name__} {v!r}")
+        return v
+    return conv
+
+
+def _seconds(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"frame_timeout: expected seconds as a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def _size(name):
+    return lambda v: parse_size(v, name)
+
+
+_TOML_KEYS = {
+    "data_dir": ("data_dir", _str("data_dir")),
+    "device": ("devices", _devices),
+    "device_size": ("device_size_bytes", _size("device_size")),
+    "stripe_size": ("stripe_size_bytes", _size("stripe_size")),
+    "region_size": ("region_size_bytes", _size("region_size")),
+    "eviction": ("eviction", _str("eviction")),
+    "listen": ("listen", _str("listen")),
+    "admin": ("admin", _str("admin")),
+    "token_file": ("token_file", _str("token_file")),
+    "log_level": ("log_level", _str("log_level")),
+    "max_connections": ("max_connections", _int("max_connections")),
+    "frame_timeout": ("frame_timeout_s", _seconds),
+}
+assert {v[0] for v in _TOML_KEYS.values()} <= {f.name for f in fields(DaemonConfig)}
+
+
+def load_toml(path: str) -> dict:
+    """The DaemonConfig fields a TOML file sets; ConfigError names a bad key."""
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    out = {}
+    for key, value in doc.items():
+        if key not in _TOML_KEYS:
+            raise ConfigError(f"config file {path}: unknown key {key!r}; known keys: {sorted(_TOML_KEYS)}")
+        field_name, conv = _TOML_KEYS[key]
+        try:
+            out[field_name] = conv(value)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtierd", description="kvtier storage daemon")
+    ap.add_argument("--config", help="TOML config file (flags override it)")
+    ap.add_argument("--data-dir", help="directory of the embedded default's device files (default ./data)")
+    ap.add_argument("--device", action="append", help="device file or block device (repeatable)")
+    ap.add_argument("--device-size", help="size of device files created if missing (k/m/g)")
+    ap.add_argument("--stripe-size", help="RAID0 stripe unit (default 1m)")
+    ap.add_argument("--region-size", help="region size (default 64m)")
+    ap.add_argument("--eviction", choices=EVICTIONS)
+    ap.add_argument("--listen", help="data address HOST:PORT (default 127.0.0.1:7410; port 0 = free)")
+    ap.add_argument("--admin", help="admin HTTP address HOST:PORT or 'none' (default 127.0.0.1:7411)")
+    ap.add_argument("--token-file", help="file holding the shared auth token")
+    ap.add_argument("--log-level", choices=LOG_LEVELS)
+    ap.add_argument("--max-connections", type=int, help="open data connections allowed (default 1024)")
+    ap.add_argument("--frame-timeout", type=float, help="seconds a client may stall mid-frame (default 30)")
+    ap.add_argument("--format", action="store_true", help="format the devices, then serve")
+    ap.add_argument("--force", action="store_true", help="with --format: overwrite an existing store")
+    return ap
+
+
+def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
+    """Flags over the TOML file over the defaults."""
+    args = build_parser().parse_args(argv)
+    settings = load_toml(args.config) if args.config else {}
+    flag_map = {
+        "data_dir": ("data_dir", str), "device": ("devices", tuple),
+        "device_size": ("device_size_bytes", _size("--device-size")),
+        "stripe_size": ("stripe_size_bytes", _size("--stripe-size")),
+        "region_size": ("region_size_bytes", _size("--region-size")),
+        "eviction": ("eviction", str), "listen": ("listen", str), "admin": ("admin", str),
+        "token_file": ("token_file", str), "log_level": ("log_level", str),
+        "max_connections": ("max_connections", int), "frame_timeout": ("frame_timeout_s", float),
+    }
+    for arg, (field_name, conv) in flag_map.items():
+        value = getattr(args, arg)
+        if value is not None:
+            settings[field_name] = conv(value)
+    if args.force and not args.format:
+        raise ConfigError("--force only makes sense with --format")
+    return DaemonConfig(**settings, format=args.format, force=args.force, config_file=args.config)
+
+
+def reload_log_level(cfg: DaemonConfig) -> DaemonConfig:
+    """On SIGHUP: the config file's log level (and token file), other settings kept."""
+    if not cfg.config_file:
+        return cfg
+    doc = load_toml(cfg.config_file)
+    return replace(cfg, **{k: doc[k] for k in ("log_level", "token_file") if k in doc})

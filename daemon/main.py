@@ -1,0 +1,179 @@
+"""kvtierd: the storage daemon's entry point.
+
+Opens (formatting on first run) the engine, serves the data protocol and, unless
+``--admin none``, the admin HTTP API; prints ``kvtierd ready data=HOST:PORT
+[admin=HOST:PORT]`` and sends READY=1 to systemd. Signals:
+
+- SIGTERM / SIGINT: stop accepting, finish in-flight requests, seal and sync, exit 0.
+- SIGHUP: re-read the config file's log level and token file; connections stay.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import sys
+
+from kvtier.daemon.config import ConfigError, DaemonConfig, config_from_args, reload_log_level
+from kvtier.daemon.notify import Notifier
+from kvtier.daemon.state import DaemonState
+
+log = logging.getLogger("kvtier.daemon")
+
+EXIT_CONFIG = 2  # bad flags or config: fix the command line
+EXIT_STARTUP = 1  # the store or a port could not be opened
+
+
+def format_address(addr) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(stream=sys.stderr, level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger().setLevel(level.upper())
+
+
+def open_engine(cfg: DaemonConfig):
+    """Format if asked, then open (formatting on first run) the store."""
+    from kvtier.daemon.engine import Engine
+    if not cfg.devices:
+        os.makedirs(cfg.data_dir, exist_ok=True)
+    ecfg = cfg.engine_config()
+    if cfg.format:
+        Engine.format(ecfg, force=cfg.force)
+        log.info("event=formatted devices=%s", ",".join(ecfg.device_paths))
+    return Engine.open(ecfg, create_if_missing=True)
+
+
+class Daemon:
+    """Runs until :meth:`request_stop`; one instance per process."""
+
+    def __init__(self, cfg: DaemonConfig, notifier: Notifier | None = None):
+        self.cfg = cfg
+        self.notifier = notifier or Notifier()
+        self._stop_requested = False
+        self._reload_requested = False
+        self.state: DaemonState | None = None
+        self._admin = None
+
+    def start(self) -> str:
+        """Open the store and start serving; returns the ready line."""
+        from kvtier.daemon.server import DataServer
+        engine = open_engine(self.cfg)
+        try:
+            state = DaemonState(self.cfg, engine)
+            host, port = self.cfg.listen_address
+            server = DataServer(engine, host, port, token=lambda: state.token,
+                                region_size_bytes=self.cfg.region_size_bytes,
+                                max_connections=self.cfg.max_connections, frame_timeout_s=self.cfg.frame_timeout_s)
+            state.data_server = server
+            state.data_address = server.start()
+            self.state = state
+            line = f"kvtierd ready data={format_address(state.data_address)}"
+            if self.cfg.admin_address is not None:
+                from kvtier.daemon.admin import AdminServer  # FastAPI/uvicorn only when asked for
+                self._admin = AdminServer(state, *self.cfg.admin_address)
+                state.admin_address = tuple(self._admin.start())
+                line += f" admin={format_address(state.admin_address)}"
+        except BaseException:
+            if self.state is not None and self.state.data_server is not None:
+                self.state.data_server.stop()
+            engine.close()
+            raise
+        state.set_ready(True)
+        return line
+
+    def request_stop(self, *_args) -> None:
+        """Signal handler (SIGTERM, SIGINT); runs in the main thread."""
+        self._stop_requested = True
+
+    def request_reload(self, *_args) -> None:
+        """Signal handler (SIGHUP); runs in the main thread."""
+        self._reload_requested = True
+
+    def run_until_stopped(self) -> None:
+        """Watchdog pings and reloads until a stop is requested.
+
+        Signals may be delivered to any thread, so the main thread waits on
+        the signal wakeup fd rather than on a lock a signal might not interrupt."""
+        interval = self.notifier.watchdog_interval_s
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        previous = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        try:
+            while not self._stop_requested:
+                select.select([wake_r], [], [], interval)
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                if self._reload_requested:
+                    self._reload_requested = False
+                    self._reload()
+                if interval is not None and not self._stop_requested:
+                    self.notifier.watchdog()
+        finally:
+            signal.set_wakeup_fd(previous)
+            os.close(wake_r)
+            os.close(wake_w)
+
+    def _reload(self) -> None:
+        self.notifier.reloading()
+        try:
+            cfg = reload_log_level(self.state.config)
+            self.state.set_config(cfg)
+            logging.getLogger().setLevel(cfg.log_level.upper())
+            log.info("event=reloaded log_level=%s token=%s", cfg.log_level,
+                     "set" if self.state.token is not None else "none")
+        except ConfigError as exc:
+            log.error("event=reload_failed error=%s (kept the previous settings)", exc)
+        self.notifier.notify("READY=1", "STATUS=serving")
+
+    def shutdown(self) -> None:
+        """Stop accepting, finish in-flight requests, seal and sync."""
+        self.notifier.stopping()
+        state = self.state
+        state.set_ready(False)
+        log.info("event=stopping")
+        state.data_server.stop()
+        if self._admin is not None:
+            self._admin.stop()
+        state.engine.flush()
+        state.engine.close()
+        log.info("event=stopped uptime_s=%.1f", state.uptime_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = config_from_args(argv)
+    except ConfigError as exc:
+        print(f"kvtierd: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    _setup_logging(cfg.log_level)
+    daemon = Daemon(cfg)
+    signal.signal(signal.SIGTERM, daemon.request_stop)
+    signal.signal(signal.SIGINT, daemon.request_stop)
+    signal.signal(signal.SIGHUP, daemon.request_reload)
+    try:
+        line = daemon.start()
+    except ConfigError as exc:
+        print(f"kvtierd: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as exc:  # GeometryError, a busy port, an unreadable device: say which and exit
+        log.error("event=startup_failed error=%s: %s", type(exc).__name__, exc)
+        print(f"kvtierd: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    print(line, flush=True)
+    log.info("event=ready %s config=%s", line.removeprefix("kvtierd ready "), daemon.state.config.redacted())
+    daemon.notifier.ready(f"serving {line.removeprefix('kvtierd ready ')}")
+    daemon.run_until_stopped()
+    daemon.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The data server: threads with blocking sockets around the sans-IO protocol.
+
+Concurrency model (chosen by measurement, see perf/bench_tcp.py and
+docs/protocol.md): one thread per connection. The engine is thread-safe and
+does blocking device I/O, so threads let requests on different connections
+overlap without an executor hop; payloads are received with ``recv_into``
+into a buffer sized from the frame header (after its limits are checked) and
+sent with ``sendmsg`` of header + memoryviews.
+
+Shutdown (:meth:`DataServer.stop`): stop accepting, wake idle connections,
+let busy ones finish the requests already received, then return; the caller
+then seals and syncs the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+
+from kvtier.client import protocol as p
+from kvtier.daemon.server_handler import RequestHandler, Session
+from kvtier.daemon.server_stats import ServerStatistics, ServerStatsRecorder
+
+log = logging.getLogger("kvtier.daemon.server")
+
+RECV_CHUNK_BYTES = 64 << 10  # headers and small frames; payloads go straight to their buffer
+SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
+LISTEN_BACKLOG = 512  # pending connections the kernel queues
+RECEIVE_SCRATCH_BYTES_MAX = 16 << 20  # PUT payload buffer kept per connection (the engine copies blocks
+# out before the next frame is read); larger payloads get a buffer of their own
+SHUTDOWN_GRACE_S = 30.0  # how long stop() waits for in-flight requests
+CLOSE_DRAIN_BYTES_MAX = 4 << 20  # unread bytes swallowed before closing on an error, so the error frame
+CLOSE_DRAIN_S = 0.5  # is not destroyed by a TCP reset; bounded in bytes and time
+
+
+def send_parts(sock: socket.socket, parts) -> int:
+    """Write every buffer with ``sendmsg`` (gather, no joining copy)."""
+    views = [memoryview(b).cast("B") for b in parts]
+    views = [v for v in views if v.nbytes]
+    total, i = 0, 0
+    while i < len(views):
+        n = sock.sendmsg(views[i:i + SENDMSG_IOV_MAX])
+        total += n
+        while n:
+            if n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+    return total
+
+
+class DataServer:
+    """Serves the data protocol for one engine."""
+
+    def __init__(self, engine, host: str, port: int, *, token=lambda: None, region_size_bytes: int,
+                 max_connections: int = 1024, frame_timeout_s: float = 30.0,
+                 payload_bytes_max: int = p.PAYLOAD_BYTES_MAX):
+        self._engine = engine
+        self._host, self._port = host, port
+        self._max_connections = max_connections
+        self._frame_timeout_s = frame_timeout_s
+        self._limits = p.Limits(payload_bytes_max=payload_bytes_max,
+                                block_bytes_max=min(engine.block_size_max_bytes, payload_bytes_max))
+        self._recorder = ServerStatsRecorder()
+        self._handler = RequestHandler(engine, self._recorder, token, region_size_bytes, self._limits,
+                                       lambda: self.statistics().as_dict())
+        self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._accept_thread: threading.Thread | None = None
+        self.address: tuple[str, int] | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> tuple[str, int]:
+        """Bind, listen and start accepting; returns the real (host, port)."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, self._port))
+        sock.listen(LISTEN_BACKLOG)
+        self._listener = sock
+        self.address = sock.getsockname()[:2]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvtierd-accept", daemon=True)
+        self._accept_thread.start()
+        return self.address
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop accepting, finish in-flight requests, close every connection."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        os.write(self._wake_w, b"x")  # level-triggered: wakes every poller, now and later
+        if self._accept_thread is not None:
+            self._accept_thread.join()
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            log.warning("event=shutdown_grace_expired connections=%d", sum(t.is_alive() for t in threads))
+
+    def statistics(self) -> ServerStatistics:
+        return self._recorder.snapshot()
+
+    @property
+    def limits(self) -> p.Limits:
+        return self._limits
+
+    # -- accepting ----------------------------------------------------------
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        poller = select.poll()
+        poller.register(listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                ready = {fd for fd, _ in poller.poll()}
+                if self._wake_r in ready:
+                    break
+                try:
+                    sock, addr = listener.accept()
+                except OSError as exc:
+                    log.warning("event=accept_failed error=%s", exc)
+                    continue
+                self._admit(sock, addr)
+        finally:
+            listener.close()
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            over = len(self._threads) >= self._max_connections
+            if not over:
+                t = threading.Thread(target=self._serve, args=(sock, peer), name=f"kvtierd-conn-{peer}", daemon=True)
+                self._threads.add(t)
+        if over:
+            self._recorder.connection_rejected()
+            self._recorder.error(p.ErrorCode.BUSY.name)
+            log.warning("event=connection_refused peer=%s reason=over_limit limit=%d", peer, self._max_connections)
+            threading.Thread(target=self._refuse, args=(sock,), name="kvtierd-refuse", daemon=True).start()
+            return
+        self._recorder.connection_opened()
+        t.start()
+
+    # -- one connection -----------------------------------------------------
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn = p.Connection(p.Role.SERVER, self._limits)
+        session = Session(peer)
+        sock.settimeout(self._frame_timeout_s)
+        log.debug("event=connection_open peer=%s", peer)
+        try:
+            self._serve_loop(sock, conn, session)
+        except p.ProtocolError as exc:
+            log.warning("event=protocol_error peer=%s code=%s error=%s", peer, exc.code.name, exc)
+            self._recorder.error(exc.code.name)
+            self._send_error_quietly(sock, conn, exc.request_id, exc.code, str(exc))
+        except socket.timeout:
+            log.warning("event=frame_timeout peer=%s timeout_s=%s", peer, self._frame_timeout_s)
+            self._recorder.error(p.ErrorCode.TIMEOUT.name)
+            self._send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
+                                     f"connection stalled mid-frame for {self._frame_timeout_s} s")
+        except OSError as exc:
+            log.info("event=connection_error peer=%s error=%s", peer, exc)
+        except Exception:  # never let one connection take the daemon down
+            log.exception("event=connection_crashed peer=%s", peer)
+            self._recorder.error(p.ErrorCode.INTERNAL.name)
+        finally:
+            sock.close()
+            self._recorder.connection_closed()
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+            log.debug("event=connection_closed peer=%s", peer)
+
+    def _serve_loop(self, sock: socket.socket, conn: p.Connection, session: Session) -> None:
+        handler, recorder = self._handler, self._recorder
+        scratch, placed = bytearray(), None
+        received_before = 0
+        while True:
+            event = conn.next_event()
+            if event is p.NEED_DATA:
+                if not conn.in_frame and not self._wait_for_request(sock):
+                    return
+                head = conn.pending_head
+                if head is not None and head is not placed and head.payload_len <= RECEIVE_SCRATCH_BYTES_MAX:
+                    if len(scratch) < head.payload_len:
+                        scratch = bytearray(head.payload_len)
+                    conn.set_payload_buffer(scratch)
+                    placed = head
+                view = conn.payload_view()
+                if view is not None:
+                    n = sock.recv_into(view)
+                    if n:
+                        conn.payload_received(n)
+                    else:
+                        conn.receive_data(b"")
+                else:
+                    conn.receive_data(sock.recv(RECV_CHUNK_BYTES))
+                continue
+            if event is p.CONNECTION_CLOSED:
+                return
+            started = time.perf_counter()
+            reply, close_after = handler.handle(event, session)
+            sent = send_parts(sock, conn.send_parts(reply))
+            op = type(event).__name__.lower() if not isinstance(event, p.Rejected) else "rejected"
+            recorder.request_done(op, time.perf_counter() - started, conn.bytes_received - received_before, sent)
+            received_before = conn.bytes_received  # pipelined frames already buffered count for the next one
+            if close_after:
+                log.warning("event=connection_closed_by_server peer=%s reason=%s", session.peer,
+                            getattr(reply, "message", ""))
+                _linger(sock)
+                return
+
+    def _wait_for_request(self, sock: socket.socket) -> bool:
+        """Block until the idle connection has bytes (True) or we stop (False)."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll()}
+        return self._wake_r not in ready and not self._stopping.is_set()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        with sock:
+            self._send_error_quietly(sock, p.Connection(p.Role.SERVER), 0, p.ErrorCode.BUSY,
+                                     f"too many connections (limit {self._max_connections})")
+
+    @staticmethod
+    def _send_error_quietly(sock, conn, request_id, code, message) -> None:
+        """Send an error frame, then half-close and drain so it arrives intact."""
+        try:
+            sock.settimeout(CLOSE_DRAIN_S)
+            send_parts(sock, conn.send_parts(p.ErrorReply(request_id, code, message)))
+        except OSError:
+            return
+        _linger(sock)
+
+
+def _linger(sock: socket.socket) -> None:
+    """Half-close, then swallow what the peer still sends (bounded), so the
+    frames we sent are not destroyed by a reset when we close."""
+    try:
+        sock.settimeout(CLOSE_DRAIN_S)
+        sock.shutdown(socket.SHUT_WR)
+        deadline, drained = time.monotonic() + CLOSE_DRAIN_S, 0
+        while drained < CLOSE_DRAIN_BYTES_MAX and time.monotonic() < deadline:
+            chunk = sock.recv(RECV_CHUNK_BYTES)
+            if not chunk:
+                break
+            drained += len(chunk)
+    except OSError:
+        pass

@@ -1,0 +1,187 @@
+"""Bad input sent to a real kvtierd over raw sockets: each gets a clear error,
+the daemon keeps serving every other client, and nothing stored is lost."""
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+from daemon_proc import start_kvtierd
+from kvtier.client import BlockClient, RemoteError
+from kvtier.client import protocol as p
+from kvtier.client import protocol_frames as f
+from kvtier.client.blockformat import HEADER_SIZE, encode_block
+
+NS = b"\x05" * 16
+KEEP_KEYS = [bytes([0xEE]) + i.to_bytes(15, "little") for i in range(4)]
+KEEP_BLOCKS = [encode_block(k, NS, 0, os.urandom(4000)) for k in KEEP_KEYS]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_kvtierd(tmp_path_factory.mktemp("bad"), "--frame-timeout", "1", "--max-connections", "8")
+    with BlockClient(d.data_addr) as c:
+        c.put_many(list(zip(KEEP_KEYS, KEEP_BLOCKS)))
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+def raw(daemon) -> socket.socket:
+    host, _, port = daemon.data_addr.rpartition(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def read_replies(sock, n=1):
+    """The next ``n`` replies (ErrorReply or others), or fewer if the daemon closes."""
+    conn = p.Connection(p.Role.CLIENT)
+    out = []
+    while len(out) < n:
+        ev = conn.next_event()
+        if ev is p.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+            continue
+        if ev is p.CONNECTION_CLOSED:
+            break
+        out.append(ev)
+    return out
+
+
+def closed_by_daemon(sock) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def assert_still_serving(daemon):
+    with BlockClient(daemon.data_addr) as c:
+        got = c.get_many(KEEP_KEYS)
+        assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in KEEP_BLOCKS]
+
+
+def frame(op, rid=1, count=0, meta=b"", payload=b"", flags=0, version=p.PROTOCOL_VERSION, magic=f.MAGIC):
+    return f.pack_header(op, flags, rid, count, len(meta), len(payload), version=version, magic=magic) + meta + payload
+
+
+@pytest.mark.parametrize("wire, code, fragment", [
+    (os.urandom(16) + b"garbage" * 10, p.ErrorCode.BAD_FRAME, "magic"),
+    (frame(p.Op.PING, magic=b"HTTP"), p.ErrorCode.BAD_FRAME, "magic"),
+    (frame(p.Op.PING, version=7), p.ErrorCode.BAD_VERSION, "version 7"),
+    (f.pack_header(p.Op.PUT, 0, 1, 1, p.META_BYTES_MAX + 1, 0), p.ErrorCode.LIMIT, "meta section"),
+    (f.pack_header(p.Op.PUT, 0, 1, 1, 20, 2**32 - 1), p.ErrorCode.LIMIT, "payload of 4294967295"),
+])
+def test_broken_framing_gets_an_error_frame_and_a_close(daemon, wire, code, fragment):
+    with raw(daemon) as s:
+        s.sendall(wire)
+        (reply,) = read_replies(s)
+        assert isinstance(reply, p.ErrorReply) and reply.code == code and fragment in reply.message
+        assert closed_by_daemon(s)
+    assert_still_serving(daemon)
+
+
+@pytest.mark.parametrize("wire, code, fragment", [
+    (frame(0x42, meta=b"xyz"), p.ErrorCode.UNKNOWN_OP, "unknown op 0x42"),
+    (frame(p.Op.GET, count=p.BATCH_COUNT_MAX + 1), p.ErrorCode.LIMIT, "over the limit"),
+    (frame(p.Op.GET, count=2, meta=b"k" * 24), p.ErrorCode.BAD_REQUEST, "wrong key size"),
+    (frame(p.Op.PUT, count=1, meta=struct.pack("<12sI", b"k" * 12, 100), payload=b"x" * 100),
+     p.ErrorCode.BAD_REQUEST, "PUT item table"),
+    (frame(p.Op.LOOKUP, count=1, meta=b"k" * 16, payload=b"extra"), p.ErrorCode.BAD_REQUEST, "no payload"),
+    (frame(p.Op.HELLO, meta=b"\xff\xff"), p.ErrorCode.BAD_REQUEST, "HELLO"),
+])
+def test_refused_requests_keep_the_connection(daemon, wire, code, fragment):
+    with raw(daemon) as s:
+        s.sendall(wire + frame(p.Op.PING, rid=99, meta=b"alive"))
+        error, pong = read_replies(s, 2)
+        assert isinstance(error, p.ErrorReply) and error.code == code and fragment in error.message, error
+        assert pong == p.PingReply(99, b"alive")
+    assert_still_serving(daemon)
+
+
+def test_a_block_with_a_bad_crc_is_refused(daemon):
+    key = b"\x01" * 16
+    block = bytearray(encode_block(key, NS, 0, os.urandom(1000)))
+    block[HEADER_SIZE + 10] ^= 1
+    with BlockClient(daemon.data_addr) as c:
+        with pytest.raises(RemoteError, match="CRC") as info:
+            c.put(key, bytes(block))
+        assert info.value.code == p.ErrorCode.BAD_BLOCK
+        assert c.lookup([key]) == 0
+    assert_still_serving(daemon)
+
+
+def test_a_put_larger_than_a_region_is_refused_before_its_payload(daemon):
+    size = 5 << 20  # regions are 4 MiB
+    key = b"\x02" * 16
+    meta = struct.pack("<16sI", key, size)
+    with raw(daemon) as s:
+        s.sendall(f.pack_header(p.Op.PUT, 0, 7, 1, len(meta), size) + meta)  # no payload sent yet
+        (error,) = read_replies(s)
+        assert error.code == p.ErrorCode.TOO_LARGE and "region" in error.message and str(size) in error.message
+        s.sendall(b"\0" * size + frame(p.Op.PING, rid=8))  # the skipped payload, then more work
+        assert read_replies(s) == [p.PingReply(8)]
+    assert_still_serving(daemon)
+
+
+def test_a_client_that_stalls_mid_frame_is_timed_out(daemon):
+    with raw(daemon) as s:
+        s.sendall(frame(p.Op.PING, meta=b"0123456789")[:20])
+        started = time.monotonic()
+        (error,) = read_replies(s)
+        assert error.code == p.ErrorCode.TIMEOUT and "stalled" in error.message
+        assert 0.5 < time.monotonic() - started < 10
+        assert closed_by_daemon(s)
+    assert_still_serving(daemon)
+
+
+def test_a_truncated_frame_then_close(daemon):
+    with raw(daemon) as s:
+        s.sendall(frame(p.Op.GET, count=1, meta=b"k" * 16)[:40])
+    assert_still_serving(daemon)
+
+
+def test_more_connections_than_the_limit(daemon):
+    held = [raw(daemon) for _ in range(8)]  # the limit is 8
+    try:
+        for s in held:  # make sure each one is admitted before the extra one arrives
+            s.sendall(frame(p.Op.PING, rid=1))
+            assert read_replies(s) == [p.PingReply(1)]
+        with raw(daemon) as extra:
+            (error,) = read_replies(extra)
+            assert error.code == p.ErrorCode.BUSY and "limit 8" in error.message
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while True:  # the daemon notices the closes asynchronously
+        try:
+            assert_still_serving(daemon)
+            break
+        except RemoteError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_wrong_or_missing_token(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("correct horse battery staple\n")
+    d = start_kvtierd(tmp_path / "d", "--token-file", str(token_file))
+    try:
+        with pytest.raises(RemoteError, match="wrong token") as info:
+            BlockClient(d.data_addr, token="nope").ping()
+        assert info.value.code == p.ErrorCode.AUTH
+        with pytest.raises(RemoteError, match="missing token"):
+            BlockClient(d.data_addr).ping()
+        with raw(d) as s:  # no HELLO at all
+            s.sendall(frame(p.Op.GET, count=1, meta=b"k" * 16))
+            (error,) = read_replies(s)
+            assert error.code == p.ErrorCode.AUTH and closed_by_daemon(s)
+        with BlockClient(d.data_addr, token="correct horse battery staple") as c:
+            key = b"\x03" * 16
+            c.put(key, encode_block(key, NS, 0, b"secret kv"))
+            assert c.get(key)[HEADER_SIZE:] == b"secret kv"
+            assert c.server_info()["auth_required"] is True
+    finally:
+        assert d.stop() == 0

@@ -1,0 +1,163 @@
+"""BlockClient and AsyncBlockClient against a real kvtierd subprocess."""
+import asyncio
+import os
+import threading
+
+import pytest
+
+from kvtier.client import AsyncBlockClient, BlockClient, BlockLocationInfo, RemoteError
+from kvtier.client.blockformat import HEADER_SIZE, decode_header, encode_block, verify_block
+from kvtier.client.keys import KVLayout, Namespace, chain_keys
+
+NS = b"\x07" * 16
+
+
+def make_block(key: bytes, size: int, ns: bytes = NS) -> bytes:
+    return encode_block(key, ns, 0, os.urandom(size))
+
+
+def keys_of(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(15, "little") for i in range(n)]
+
+
+def test_put_get_lookup_delete_round_trip(kvtierd):
+    keys = keys_of(10, 1)
+    blocks = [make_block(k, 1000 + 37 * i) for i, k in enumerate(keys)]
+    with BlockClient(kvtierd.data_addr) as c:
+        assert c.ping() > 0
+        seqs = c.put_many(list(zip(keys, blocks)))
+        assert len(seqs) == 10 and len(set(seqs)) == 10 and all(s > 0 for s in seqs)
+        assert c.put(keys[0], blocks[0]) == seqs[0]  # a re-put is a no-op that returns the stored seq
+        got = c.get_many(keys + keys_of(2, 2))
+        for block, seq, stored in zip(blocks, seqs, got):
+            header = verify_block(stored, expected_key=decode_header(block).key, expected_seq=seq)
+            assert stored[HEADER_SIZE:] == block[HEADER_SIZE:] and header.ns_id == NS
+        assert got[10:] == [None, None]
+        views = c.get_many(keys + keys_of(1, 2), copy=False)  # zero-copy: read-only views of the reply
+        assert all(isinstance(v, memoryview) and v.readonly for v in views[:10]) and views[10] is None
+        assert [bytes(v) for v in views[:10]] == got[:10]
+        assert c.lookup(keys) == 10
+        assert c.lookup(keys[:3] + keys_of(1, 3) + keys[3:]) == 3
+        assert c.delete(keys[4]) is True and c.delete(keys[4]) is False
+        assert c.lookup(keys) == 4 and c.get(keys[4]) is None
+        assert c.delete_many([keys[5], keys_of(1, 9)[0]]) == [True, False]
+
+
+def test_get_into_a_callers_buffer(kvtierd):
+    key = keys_of(1, 4)[0]
+    block = make_block(key, 300_000)
+    with BlockClient(kvtierd.data_addr) as c:
+        c.put(key, block)
+        buf = bytearray(400_000)
+        n = c.get_into(key, buf)
+        assert n == len(block) and buf[HEADER_SIZE:n] == block[HEADER_SIZE:]
+        assert c.get_into(keys_of(1, 5)[0], buf) is None
+        with pytest.raises(ValueError, match="does not fit"):
+            c.get_into(key, bytearray(1000))
+        assert c.get(key)[HEADER_SIZE:] == block[HEADER_SIZE:]  # the connection survived
+
+
+def test_lookup_locations_geometry_pin_and_stats(kvtierd):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4)
+    ns = Namespace("tiny-llama", layout)
+    keys = chain_keys(ns.id, list(range(64)), layout.block_tokens)
+    with BlockClient(kvtierd.data_addr) as c:
+        seqs = c.put_many([(k, make_block(k, 512, ns.id)) for k in keys[:10]], durable=True)
+        leading, locs = c.lookup_locations(keys)
+        assert leading == 10 and len(locs) == len(keys)
+        assert all(isinstance(loc, BlockLocationInfo) for loc in locs[:10]) and locs[10:] == [None] * (len(keys) - 10)
+        assert [loc.seq for loc in locs[:10]] == seqs
+        assert all(loc.length == HEADER_SIZE + 512 for loc in locs[:10])
+        geo = c.geometry()
+        assert len(geo.device_ids) == 4 and geo.stripe_size_bytes == 256 << 10
+        pieces = geo.map_range(locs[0].logical_offset, locs[0].length)
+        assert sum(piece[2] for piece in pieces) == locs[0].length
+        assert c.pin(keys[:2] + keys[12:13]) == [True, True, False]
+        assert c.unpin(keys[:1]) == [True]
+        c.flush()
+        assert all(loc.sealed for loc in c.lookup_locations(keys[:10])[1])  # flushed: sealed, direct-readable
+        assert c.lookup(keys, ns_id=ns.id) == 10
+        stats = c.stats()
+        assert stats["engine"]["blocks"] == 10
+        server = stats["server"]
+        assert server["lookup_keys_asked"] == 2 * len(keys) + 10 and server["lookup_keys_hit"] == 30
+        assert server["namespaces"][ns.id.hex()] == {"hits": 10, "misses": len(keys) - 10}
+        assert server["requests"]["put"] == 1 and server["latency"]["put"]["count"] == 1
+
+
+def test_bad_block_is_refused_and_named(kvtierd):
+    key = keys_of(1, 6)[0]
+    block = bytearray(make_block(key, 100))
+    block[-1] ^= 0xFF
+    with BlockClient(kvtierd.data_addr) as c:
+        with pytest.raises(RemoteError, match="CRC") as info:
+            c.put(key, bytes(block))
+        assert info.value.code.name == "BAD_BLOCK"
+        with pytest.raises(RemoteError, match="item 0.*not the item's key"):
+            c.put(keys_of(1, 7)[0], make_block(key, 100))
+        assert c.get(key) is None and c.lookup([key]) == 0
+
+
+def test_big_gets_are_split_and_deferred_items_fetched(kvtierd):
+    """More block bytes than one reply may carry: the daemon defers, the client asks again."""
+    keys = keys_of(12, 8)
+    blocks = [make_block(k, 3 << 20) for k in keys]  # 36 MiB over 3 MiB blocks; regions are 4 MiB
+    with BlockClient(kvtierd.data_addr) as c:
+        c.put_many(list(zip(keys, blocks)))
+        import kvtier.client.protocol_messages as m
+        got = c.get_many(keys)
+        assert [g[HEADER_SIZE:] == b[HEADER_SIZE:] for g, b in zip(got, blocks)] == [True] * 12
+        assert m.PAYLOAD_BYTES_MAX > 36 << 20  # the deferral path itself is covered in test_daemon
+
+
+def test_a_dropped_connection_is_replaced(kvtierd):
+    key = keys_of(1, 10)[0]
+    with BlockClient(kvtierd.data_addr, pool_size=1) as c:
+        c.put(key, make_block(key, 64))
+        (ch,) = list(c._pool.queue)
+        ch.sock.close()  # as if the daemon had dropped it
+        assert c.get(key) is not None
+        assert c.statistics().reconnects == 1
+
+
+def test_one_client_shared_by_threads(kvtierd):
+    errors = []
+    with BlockClient(kvtierd.data_addr, pool_size=3) as c:
+        def worker(tag):
+            try:
+                keys = keys_of(20, 100 + tag)
+                blocks = [make_block(k, 5000) for k in keys]
+                c.put_many(list(zip(keys, blocks)))
+                got = c.get_many(keys)
+                assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in blocks]
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+
+
+def test_async_client(kvtierd):
+    async def run():
+        async with AsyncBlockClient(kvtierd.data_addr, pool_size=2) as c:
+            keys = keys_of(8, 11)
+            blocks = [make_block(k, 20_000) for k in keys]
+            seqs = await c.put_many(list(zip(keys, blocks)), durable=True)
+            assert len(seqs) == 8
+            results = await asyncio.gather(*(c.get(k) for k in keys))
+            assert [r[HEADER_SIZE:] for r in results] == [b[HEADER_SIZE:] for b in blocks]
+            assert await c.lookup(keys + keys_of(1, 12)) == 8
+            leading, locs = await c.lookup_locations(keys[:2])
+            assert leading == 2 and locs[0].length == len(blocks[0])
+            buf = bytearray(30_000)
+            assert await c.get_into(keys[0], buf) == len(blocks[0])
+            assert (await c.geometry()).stripe_size_bytes == 256 << 10
+            assert await c.pin(keys[:1]) == [True] and await c.unpin(keys[:1]) == [True]
+            assert await c.delete(keys[0]) is True
+            await c.flush()
+            assert (await c.stats())["engine"]["blocks"] == 7
+            assert await c.ping() > 0
+    asyncio.run(run())

@@ -1,0 +1,228 @@
+"""The sans-IO data protocol, fed bytes whole and one at a time; no sockets."""
+import os
+import struct
+
+import pytest
+
+from kvtier.client import protocol as p
+from kvtier.client import protocol_frames as f
+from kvtier.client.blockformat import encode_block
+from kvtier.client.protocol_messages import TOKEN_BYTES_MAX
+
+K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
+NS = b"\x09" * 16
+BLOCK1 = encode_block(K1, NS, 1, os.urandom(300))
+BLOCK2 = encode_block(K2, NS, 1, os.urandom(5000))
+
+REQUESTS = [
+    p.Hello(1, "bench", "s3cret"),
+    p.Lookup(2, (K1, K2, K3)),
+    p.Lookup(3, (K1, K2), want_locations=True, ns_id=NS),
+    p.Get(4, (K1, K2), ns_id=NS),
+    p.Get(5, ()),
+    p.Put(6, (K1, K2), (BLOCK1, BLOCK2), durable=True, ns_id=NS),
+    p.Put(7, (K3,), (BLOCK1,)),
+    p.Delete(8, (K1,)),
+    p.Pin(9, (K1, K2)),
+    p.Unpin(10, (K2,)),
+    p.Flush(11),
+    p.Stats(12),
+    p.Ping(13, b"hello"),
+    p.Put(2**64 - 1, (), ()),
+]
+REPLIES = [
+    p.HelloReply(1, {"server": "kvtierd", "geometry": {"stripe_size_bytes": 1048576}}),
+    p.LookupReply(2, 2),
+    p.LookupReply(3, 1, (p.Location(4096, 364, 7, True), None)),
+    p.GetReply(4, (BLOCK1, None, BLOCK2, p.DEFERRED)),
+    p.GetReply(5, ()),
+    p.PutReply(6, (5, 6)),
+    p.DeleteReply(8, (True,)),
+    p.PinReply(9, (True, False)),
+    p.UnpinReply(10, (False,)),
+    p.FlushReply(11),
+    p.StatsReply(12, {"ops": {"get": 3}}),
+    p.PingReply(13, b"hello"),
+    p.ErrorReply(14, p.ErrorCode.BAD_BLOCK, "PUT item 0: payload CRC mismatch"),
+]
+
+
+def normalize(msg):
+    """Messages with memoryview payloads compare by their bytes."""
+    if isinstance(msg, p.Put):
+        return (type(msg), msg.request_id, msg.keys, tuple(bytes(b) for b in msg.blocks), msg.durable, msg.ns_id)
+    if isinstance(msg, p.GetReply):
+        return (type(msg), msg.request_id,
+                tuple(b if b is None or b is p.DEFERRED else bytes(b) for b in msg.blocks))
+    if isinstance(msg, p.ErrorReply):
+        return (type(msg), msg.request_id, int(msg.code), msg.message)
+    return msg
+
+
+def drain(conn):
+    events = []
+    while True:
+        ev = conn.next_event()
+        if ev is p.NEED_DATA or ev is p.CONNECTION_CLOSED:
+            return events, ev
+        events.append(ev)
+
+
+def feed(conn, wire, step):
+    events = []
+    for i in range(0, len(wire), step):
+        conn.receive_data(wire[i:i + step])
+        got, _ = drain(conn)
+        events += got
+    return events
+
+
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_every_request_round_trips(step):
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    wire = b"".join(client.send(r) for r in REQUESTS)
+    events = feed(server, wire, step or len(wire))
+    assert [normalize(e) for e in events] == [normalize(r) for r in REQUESTS]
+    assert server.bytes_received == len(wire) == client.bytes_sent
+    assert not server.in_frame
+
+
+@pytest.mark.parametrize("step", [None, 1, 13])
+def test_every_reply_round_trips(step):
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    wire = b"".join(server.send(r) for r in REPLIES)
+    events = feed(client, wire, step or len(wire))
+    assert [normalize(e) for e in events] == [normalize(r) for r in REPLIES]
+
+
+def test_clean_end_of_stream_and_truncation():
+    server = p.Connection(p.Role.SERVER)
+    server.receive_data(b"")
+    assert server.next_event() is p.CONNECTION_CLOSED
+    wire = p.Connection(p.Role.CLIENT).send(p.Put(3, (K1,), (BLOCK1,)))
+    for cut in (5, f.FRAME_HEADER_SIZE + 3, len(wire) - 1):
+        server = p.Connection(p.Role.SERVER)
+        server.receive_data(wire[:cut])
+        assert server.next_event() is p.NEED_DATA
+        assert server.in_frame
+        server.receive_data(b"")
+        with pytest.raises(p.ProtocolError, match="truncated") as info:
+            server.next_event()
+        assert info.value.fatal and info.value.code == p.ErrorCode.BAD_FRAME
+        with pytest.raises(p.ProtocolError, match="already failed"):
+            server.next_event()
+
+
+def test_zero_copy_payload_into_a_callers_buffer():
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    wire = server.send(p.GetReply(4, (BLOCK2,)))
+    header_and_meta = f.FRAME_HEADER_SIZE + 4
+    client.receive_data(wire[:header_and_meta + 10])  # a little payload came with the header
+    assert client.next_event() is p.NEED_DATA
+    assert client.pending_head.payload_len == len(BLOCK2)
+    assert client.pending_meta == (len(BLOCK2),)
+    target = bytearray(len(BLOCK2) + 100)
+    client.set_payload_buffer(target)
+    pos = header_and_meta + 10
+    while (view := client.payload_view()) is not None:  # what recv_into would do
+        n = min(777, view.nbytes)
+        view[:n] = wire[pos:pos + n]
+        pos += n
+        client.payload_received(n)
+    (reply,) = drain(client)[0]
+    assert bytes(target[:len(BLOCK2)]) == BLOCK2
+    assert reply.blocks[0].obj is target  # the reply points into the caller's buffer, no copy
+
+
+def test_allocated_payload_view_path():
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    wire = client.send(p.Put(1, (K1, K2), (BLOCK1, BLOCK2)))
+    server.receive_data(wire[:40])
+    assert server.next_event() is p.NEED_DATA
+    assert server.payload_view() is None  # meta not complete yet
+    server.receive_data(wire[40:100])
+    assert server.next_event() is p.NEED_DATA
+    view = server.payload_view()
+    start = len(wire) - view.nbytes
+    view[:] = wire[start:]
+    server.payload_received(view.nbytes)
+    (put,) = drain(server)[0]
+    assert [bytes(b) for b in put.blocks] == [BLOCK1, BLOCK2]
+
+
+def test_bad_magic_and_version_are_fatal():
+    server = p.Connection(p.Role.SERVER)
+    server.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 10)
+    with pytest.raises(p.ProtocolError, match="magic") as info:
+        server.next_event()
+    assert info.value.fatal
+    server = p.Connection(p.Role.SERVER)
+    server.receive_data(f.pack_header(p.Op.PING, 0, 5, 0, 0, 0, version=9))
+    with pytest.raises(p.ProtocolError, match="version 9") as info:
+        server.next_event()
+    assert info.value.code == p.ErrorCode.BAD_VERSION and info.value.request_id == 5
+
+
+def test_lengths_over_their_limits_are_refused_before_allocating():
+    for meta_len, payload_len, what in ((p.META_BYTES_MAX + 1, 0, "meta"), (0, 2**32 - 1, "payload")):
+        server = p.Connection(p.Role.SERVER)
+        server.receive_data(f.pack_header(p.Op.PUT, 0, 1, 1, meta_len, payload_len))
+        with pytest.raises(p.ProtocolError, match=f"{what}.*over the limit") as info:
+            server.next_event()
+        assert info.value.code == p.ErrorCode.LIMIT and info.value.fatal
+
+
+def test_rejected_requests_keep_the_framing():
+    """Unknown op, count over the limit, wrong key size, a block over the
+    region limit: each becomes a Rejected event; the next frame still parses."""
+    limits = p.Limits(block_bytes_max=1000)
+    server = p.Connection(p.Role.SERVER, limits)
+    client = p.Connection(p.Role.CLIENT)
+    bad = [
+        f.pack_header(0x55, 0, 1, 0, 3, 4) + b"abc" + b"defg",
+        f.pack_header(p.Op.GET, 0, 2, p.BATCH_COUNT_MAX + 1, 0, 0),
+        f.pack_header(p.Op.GET, 0, 3, 2, 30, 0) + b"k" * 30,
+        client.send(p.Put(4, (K2,), (BLOCK2,))),  # 5064 bytes > 1000
+        f.pack_header(p.Op.GET, 0x40, 5, 1, 16, 0) + K1,
+        f.pack_header(p.Op.PUT | p.REPLY_BIT, 0, 6, 0, 0, 0),  # a reply sent to a server
+    ]
+    good = client.send(p.Ping(7, b"still here"))
+    for step in (None, 1):
+        server = p.Connection(p.Role.SERVER, limits)
+        wire = b"".join(bad) + good
+        events = feed(server, wire, step or len(wire))
+        codes = [(e.request_id, e.code) for e in events[:-1]]
+        assert codes == [(1, p.ErrorCode.UNKNOWN_OP), (2, p.ErrorCode.LIMIT), (3, p.ErrorCode.BAD_REQUEST),
+                         (4, p.ErrorCode.TOO_LARGE), (5, p.ErrorCode.BAD_REQUEST), (6, p.ErrorCode.UNKNOWN_OP)]
+        assert "wrong key size" in events[2].message and "region size" in events[3].message
+        assert events[-1] == p.Ping(7, b"still here")
+
+
+def test_put_lengths_must_add_up_and_hello_limits():
+    server = p.Connection(p.Role.SERVER)
+    meta = struct.pack("<16sI", K1, 10)
+    server.receive_data(f.pack_header(p.Op.PUT, 0, 1, 1, len(meta), 11) + meta + b"x" * 11)
+    (ev,) = drain(server)[0]
+    assert isinstance(ev, p.Rejected) and "add up" in ev.message
+    long_token = b"t" * (TOKEN_BYTES_MAX + 1)
+    meta = struct.pack("<H", 0) + struct.pack("<H", len(long_token)) + long_token
+    server.receive_data(f.pack_header(p.Op.HELLO, 0, 2, 0, len(meta), 0) + meta)
+    (ev,) = drain(server)[0]
+    assert ev.code == p.ErrorCode.LIMIT and "token" in ev.message
+
+
+def test_sender_checks_keys_and_roles():
+    client = p.Connection(p.Role.CLIENT)
+    with pytest.raises(ValueError, match="16 bytes"):
+        client.send(p.Get(1, (b"short",)))
+    with pytest.raises(TypeError, match="client cannot send"):
+        client.send(p.PingReply(1))
+    with pytest.raises(ValueError, match="over the frame limits"):
+        client.send(p.Get(1, (K1,) * (p.BATCH_COUNT_MAX + 1)))
+
+
+def test_a_client_refuses_requests_from_the_server():
+    client = p.Connection(p.Role.CLIENT)
+    client.receive_data(p.Connection(p.Role.CLIENT).send(p.Ping(1)))
+    with pytest.raises(p.ProtocolError, match="expected a reply"):
+        client.next_event()
