@@ -1,0 +1,43 @@
+"""Who may use the admin API.
+
+* The daemon has a token (``token_file``): every request except /healthz and
+  /readyz carries ``Authorization: Bearer <token>`` — the data port's token. The
+  token is read per request, so a SIGHUP reload takes effect at once.
+* No token: only loopback clients are served.
+"""
+from __future__ import annotations
+
+from fastapi import HTTPException, Request
+
+from kvtier.daemon.admin_state import AdminStateView
+from kvtier.daemon.config import is_loopback as is_loopback_host
+
+AUTH_SCHEME = "bearer"
+
+
+def _is_loopback_client(request: Request) -> bool:
+    client = request.client
+    return client is not None and is_loopback_host(client.host)
+
+
+def make_auth_dependency(view: AdminStateView):
+    """A FastAPI dependency that raises 401/403 for a request that may not pass."""
+
+    def require_auth(request: Request) -> None:
+        token = view.token()
+        if token is None:
+            if not _is_loopback_client(request):
+                raise HTTPException(403, "the admin API has no token configured and serves loopback clients only")
+            return
+        header = request.headers.get("authorization")
+        if header is None:
+            raise HTTPException(401, "missing 'Authorization: Bearer <token>' header",
+                                headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != AUTH_SCHEME or not presented:
+            raise HTTPException(401, "the Authorization header must be 'Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not view.check_token(presented.strip()):
+            raise HTTPException(401, "wrong token", headers={"WWW-Authenticate": "Bearer"})
+
+    return require_auth

@@ -1,0 +1,125 @@
+"""Block routes of the admin API: per-key info and data, lookup, pin/unpin, evict.
+
+Engine calls run in FastAPI's worker threads (plain ``def`` routes, or
+``run_in_threadpool``), never on the event loop; the engine is thread-safe.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from kvtier.client.blockformat import BlockFormatError, verify_block
+from kvtier.daemon.admin_errors import error_response
+from kvtier.daemon.admin_models import EvictRequest, KeySelection, key_from_hex
+from kvtier.daemon.admin_state import AdminStateView
+from kvtier.kernels.codec_ids import codec_name
+
+BLOCK_UPLOAD_BYTES_MAX = 1 << 30  # a block must fit one region; regions are at most this big
+
+
+def key_or_400(key_hex: str) -> bytes:
+    try:
+        return key_from_hex(key_hex)
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+def _not_stored(key: bytes):
+    return error_response(404, f"block {key.hex()} is not stored", key=key.hex(), present=False)
+
+
+def _codec_label(codec_id: int) -> str:
+    try:
+        return codec_name(codec_id)
+    except ValueError:
+        return f"unknown({codec_id:#x})"
+
+
+async def read_body_capped(request: Request, limit_bytes: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit_bytes``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise HTTPException(413, f"body of {declared} bytes is over the limit of {limit_bytes} bytes "
+                                 "(the largest block a region holds)")
+    chunks = bytearray()
+    async for chunk in request.stream():
+        chunks += chunk
+        if len(chunks) > limit_bytes:
+            raise HTTPException(413, f"body is over the limit of {limit_bytes} bytes")
+    return bytes(chunks)
+
+
+def blocks_router(view: AdminStateView, dependencies: list) -> APIRouter:
+    router = APIRouter(dependencies=dependencies, tags=["blocks"])
+
+    @router.get("/v1/blocks/{key_hex}")
+    def block_info(key_hex: str):
+        """Where a block lives and how it is kept: size, codec, namespace, region, pinned, last access."""
+        key = key_or_400(key_hex)
+        info = view.engine.block_info(key)
+        if info is None:
+            return _not_stored(key)
+        return {"key": key.hex(), **info, "codec": _codec_label(info["codec_id"])}
+
+    @router.get("/v1/blocks/{key_hex}/data", response_class=Response,
+                responses={200: {"content": {"application/octet-stream": {}}}})
+    def block_data(key_hex: str):
+        """The stored block as the data port returns it: 64-byte header + payload."""
+        key = key_or_400(key_hex)
+        block = view.engine.get(key)
+        if block is None:
+            return _not_stored(key)
+        return Response(bytes(block), media_type="application/octet-stream")
+
+    @router.put("/v1/blocks/{key_hex}/data")
+    async def put_block(key_hex: str, request: Request, durable: bool = Query(False)):
+        """Store one block (the body: header + payload, built by the client; verified here)."""
+        key = key_or_400(key_hex)
+        body = await read_body_capped(request, min(BLOCK_UPLOAD_BYTES_MAX, view.engine.block_size_max_bytes))
+        try:
+            verify_block(body, expected_key=key)
+        except BlockFormatError as exc:
+            raise HTTPException(400, f"not a valid block for key {key.hex()}: {exc}") from None
+        seq = await run_in_threadpool(view.engine.put, body, durable)
+        return {"key": key.hex(), "seq": seq, "size_bytes": len(body), "durable": durable}
+
+    @router.post("/v1/lookup")
+    def lookup(selection: KeySelection) -> dict:
+        """How many leading blocks of the chain are stored."""
+        keys = selection.resolve()
+        return {"requested": len(keys), "hit_blocks": view.engine.lookup(keys) if keys else 0}
+
+    def pin_or_unpin(selection: KeySelection, pin: bool) -> dict:
+        keys = selection.resolve()
+        fn = view.engine.pin_many if pin else view.engine.unpin_many
+        done = fn(keys) if keys else []
+        missing = [k.hex() for k, ok in zip(keys, done) if not ok]
+        return {"requested": len(keys), "pinned" if pin else "unpinned": len(keys) - len(missing),
+                "missing": missing}
+
+    @router.post("/v1/pin")
+    def pin(selection: KeySelection) -> dict:
+        """Pin blocks: eviction reinserts them instead of dropping them. Absent keys come back in 'missing'."""
+        return pin_or_unpin(selection, True)
+
+    @router.post("/v1/unpin")
+    def unpin(selection: KeySelection) -> dict:
+        """Unpin blocks: they age out like any other."""
+        return pin_or_unpin(selection, False)
+
+    @router.post("/v1/evict")
+    def evict(request: EvictRequest) -> dict:
+        """Drop blocks now: by key, by namespace, or all of them."""
+        if request.keys is not None:
+            keys = [bytes.fromhex(k) for k in request.keys]
+            dropped = view.engine.delete_many(keys) if keys else []
+            return {"scope": "keys", "requested": len(keys), "evicted_blocks": sum(map(bool, dropped))}
+        ns_id = request.namespace_id_bytes()
+        if ns_id is not None:
+            return {"scope": "namespace", "namespace_id": ns_id.hex(),
+                    "evicted_blocks": view.engine.delete_namespace(ns_id)}
+        assert request.all, "EvictRequest validated exactly one form"
+        return {"scope": "all", "evicted_blocks": view.engine.delete_all()}
+
+    return router

@@ -1,0 +1,68 @@
+"""Every admin API error as JSON: ``{"error": <kind>, "message": <what is wrong>}``.
+
+HTTP errors, request validation failures and engine exceptions all pass
+through here, so a client always gets a machine-readable kind and a message
+that names the problem.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier.daemon.engine.errors import DeviceError, EngineError, NoSpaceError
+
+log = logging.getLogger("kvtier.admin")
+
+ERROR_KINDS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 413: "too_large", 422: "invalid_request", 500: "internal",
+               503: "unavailable", 507: "no_space"}
+
+
+def error_response(status: int, message: str, **extra) -> JSONResponse:
+    body = {"error": ERROR_KINDS.get(status, "error"), "message": message, **extra}
+    return JSONResponse(body, status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """``keys.0: String should match pattern ...; tokens: ...`` from pydantic's error list."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException is a subclass
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        response = error_response(exc.status_code, str(exc.detail))
+        for name, value in (getattr(exc, "headers", None) or {}).items():
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(422, validation_message(exc))
+
+    @app.exception_handler(NoSpaceError)
+    async def _no_space(request: Request, exc: NoSpaceError):
+        return error_response(507, str(exc))
+
+    @app.exception_handler(DeviceError)
+    async def _device_error(request: Request, exc: DeviceError):
+        log.error("admin request %s %s failed: %s", request.method, request.url.path, exc)
+        return error_response(503, str(exc))
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError):
+        log.warning("admin request %s %s refused: %s", request.method, request.url.path, exc)
+        return error_response(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("admin request %s %s crashed", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

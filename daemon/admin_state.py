@@ -1,0 +1,77 @@
+"""What the admin API and the metrics collector read from the daemon, in one place.
+
+:class:`AdminStateView` wraps the daemon's ``DaemonState`` (``kvtier.daemon.state``)
+and gives the admin routes and the Prometheus collector a small, fixed surface:
+the engine, the data server's ``statistics()``, the current token (it changes on
+SIGHUP, so it is read per request), the ready flag, the start time and the
+redacted effective config. Nothing here caches: every call reads the live state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+
+def _as_dict(obj: Any) -> dict:
+    """A statistics snapshot (frozen dataclass, mapping, or None) as a plain dict."""
+    if obj is None:
+        return {}
+    if callable(getattr(obj, "as_dict", None)):
+        return dict(obj.as_dict())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        return dict(obj)
+    if hasattr(obj, "_asdict"):
+        return dict(obj._asdict())
+    raise TypeError(f"cannot read a statistics snapshot of type {type(obj).__name__}")
+
+
+class AdminStateView:
+    """Read-only access to a :class:`kvtier.daemon.state.DaemonState` for the admin thread."""
+
+    def __init__(self, state) -> None:
+        self._state = state
+
+    @property
+    def engine(self):
+        return self._state.engine
+
+    def token(self) -> str | None:
+        """The token clients must present now (None: loopback clients only)."""
+        return self._state.token
+
+    def check_token(self, presented: str) -> bool:
+        """Constant-time comparison with the current token (the daemon's own check)."""
+        return self._state.check_token(presented)
+
+    def ready(self) -> bool:
+        """True once devices are open and the index is recovered."""
+        return bool(self._state.ready)
+
+    def start_time_unix_s(self) -> float:
+        return float(self._state.start_time_s)
+
+    def uptime_s(self) -> float:
+        return max(0.0, time.time() - self.start_time_unix_s())
+
+    def addresses(self) -> dict:
+        """The bound ``HOST:PORT`` of the data port and the admin API (None before binding)."""
+        def fmt(addr):
+            if addr is None:
+                return None
+            host, port = addr[0], addr[1]
+            return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return {"data": fmt(self._state.data_address), "admin": fmt(self._state.admin_address)}
+
+    def engine_statistics(self) -> dict:
+        return _as_dict(self.engine.statistics())
+
+    def server_statistics(self) -> dict:
+        """The data server's snapshot; empty before the data server exists."""
+        server = self._state.data_server
+        return {} if server is None else _as_dict(server.statistics())
+
+    def redacted_config(self) -> dict:
+        return _as_dict(self._state.config.redacted())
