@@ -1,0 +1,79 @@
+"""Engine configuration, statistics snapshot and block locations (frozen)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import ALIGNMENT_BYTES
+from .eviction import EVICTION_POLICIES
+from .superblock import DEVICE_COUNT_MAX
+
+STRIPE_SIZE_DEFAULT_BYTES = 1 << 20  # RAID0 stripe unit: large enough for sequential device I/O
+REGION_SIZE_DEFAULT_BYTES = 64 << 20  # unit of writing and eviction (CacheLib Navy's default is 16 MiB; KV blocks are big)
+IO_THREADS_PER_DEVICE_DEFAULT = 2  # enough to keep one file/NVMe queue busy from Python
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device_paths: tuple[str, ...]
+    device_size_bytes: int | None = None  # size of files created when missing
+    stripe_size_bytes: int = STRIPE_SIZE_DEFAULT_BYTES
+    region_size_bytes: int = REGION_SIZE_DEFAULT_BYTES
+    eviction: str = "fifo"
+    io_threads_per_device: int = IO_THREADS_PER_DEVICE_DEFAULT
+
+    def __post_init__(self) -> None:
+        paths = tuple(str(p) for p in self.device_paths) if not isinstance(self.device_paths, str) else None
+        if not paths:
+            raise ValueError("EngineConfig.device_paths must list at least one device (a sequence of paths)")
+        object.__setattr__(self, "device_paths", paths)
+        if len(paths) > DEVICE_COUNT_MAX:
+            raise ValueError(f"EngineConfig.device_paths lists {len(paths)} devices; at most {DEVICE_COUNT_MAX}")
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"EngineConfig.device_paths lists a device twice: {paths}")
+        if self.device_size_bytes is not None and (self.device_size_bytes <= 0 or self.device_size_bytes % ALIGNMENT_BYTES):
+            raise ValueError(f"EngineConfig.device_size_bytes must be a positive multiple of {ALIGNMENT_BYTES}, "
+                             f"got {self.device_size_bytes}")
+        if self.stripe_size_bytes <= 0 or self.stripe_size_bytes % ALIGNMENT_BYTES:
+            raise ValueError(f"EngineConfig.stripe_size_bytes must be a positive multiple of {ALIGNMENT_BYTES}, "
+                             f"got {self.stripe_size_bytes}")
+        width = self.stripe_size_bytes * len(paths)
+        if self.region_size_bytes <= 0 or self.region_size_bytes % width:
+            raise ValueError(f"EngineConfig.region_size_bytes ({self.region_size_bytes}) must be a positive multiple "
+                             f"of the stripe width {width} (stripe_size_bytes x {len(paths)} devices)")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"EngineConfig.eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.io_threads_per_device < 1:
+            raise ValueError(f"EngineConfig.io_threads_per_device must be >= 1, got {self.io_threads_per_device}")
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    blocks: int
+    bytes_stored: int
+    regions_total: int
+    regions_free: int
+    regions_sealed: int
+    hits: int
+    misses: int
+    puts: int
+    put_bytes: int
+    get_bytes: int
+    evicted_blocks: int
+    evicted_regions: int
+    reinsertions: int
+    device_errors: int
+    alloc_failures: int
+    corrupt_reads: int
+    recovered_blocks: int
+    recovery_seconds: float
+    index_bytes: int
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    """Where a block lives in the striped logical space (for direct reads)."""
+
+    logical_offset: int
+    length: int
+    seq: int
+    sealed: bool

@@ -1,0 +1,180 @@
+"""The in-memory index: key -> location, 32 bytes a slot (pure, no I/O).
+
+An open-addressing hash table with linear probing, kept as five NumPy
+columns (structure of arrays) so batch lookups and bulk inserts are one
+vectorized pass::
+
+    slot:  k0 u64 | k1 u64 | addr u64 | length u32 | meta u32     = 32 bytes
+           key halves  logical offset   0 = empty    bit 31: pinned
+                                        ~0 = deleted bits 0-30: seq - region base seq
+
+Keys are BLAKE2b digests, so their bits are already uniform: the home slot
+is ``k0 % capacity``. The table grows by GROWTH_FACTOR when live + deleted
+slots would pass LOAD_FACTOR_MAX; a rehash drops the deleted markers. The seq of a
+block is ``region base seq + delta``: the region table holds the base, so the
+index does not spend 8 bytes a block on it. Namespace ids are not kept here
+(they live in the on-flash summaries).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CAPACITY_MIN = 1024  # smallest table
+LOAD_FACTOR_MAX = 0.75  # linear probing stays short below this
+GROWTH_FACTOR = 1.5  # not 2: at 32 B/slot, doubling would put a just-grown table at ~85 B/block
+EMPTY = 0
+DELETED = 0xFFFFFFFF
+PINNED_BIT = 1 << 31
+SEQ_DELTA_MAX = PINNED_BIT - 1  # a region's seq span must fit 31 bits
+SLOT_BYTES = 32
+BULK_RATIO = 16  # an insert of >= capacity/16 keys is a bulk load (recovery, rehash)
+
+
+class BlockIndex:
+    def __init__(self, capacity: int = CAPACITY_MIN):
+        self._allocate(max(capacity, CAPACITY_MIN))
+        self._live = 0
+        self._deleted = 0
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.k0 = np.zeros(capacity, np.uint64)
+        self.k1 = np.zeros(capacity, np.uint64)
+        self.addr = np.zeros(capacity, np.uint64)
+        self.length = np.zeros(capacity, np.uint32)
+        self.meta = np.zeros(capacity, np.uint32)
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * SLOT_BYTES
+
+    # -- lookups ---------------------------------------------------------
+    def find(self, k0: int, k1: int) -> int:
+        """The slot holding the key, or -1."""
+        capacity = self.capacity
+        pos = k0 % capacity
+        length, keys0, keys1 = self.length, self.k0, self.k1
+        while True:
+            ln = int(length[pos])
+            if ln == EMPTY:
+                return -1
+            if ln != DELETED and int(keys0[pos]) == k0 and int(keys1[pos]) == k1:
+                return pos
+            pos = pos + 1 if pos + 1 < capacity else 0
+
+    def find_many(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+        """Slots for a batch of keys (-1 where absent), one vectorized probe loop."""
+        n = len(k0)
+        result = np.full(n, -1, np.int64)
+        active = np.arange(n)
+        pos = (k0 % np.uint64(self.capacity)).astype(np.int64)
+        while active.size:
+            ln = self.length[pos]
+            hit = ((ln != EMPTY) & (ln != DELETED) & (self.k0[pos] == k0[active])
+                   & (self.k1[pos] == k1[active]))
+            result[active[hit]] = pos[hit]
+            more = ~hit & (ln != EMPTY)
+            active = active[more]
+            pos = self._next(pos[more])
+        return result
+
+    def live_slots(self) -> np.ndarray:
+        ln = self.length
+        return np.nonzero((ln != EMPTY) & (ln != DELETED))[0]
+
+    def slots_in_range(self, lo: int, hi: int) -> np.ndarray:
+        """Live slots whose address is in [lo, hi) -- the blocks of one region."""
+        ln = self.length
+        return np.nonzero((self.addr >= np.uint64(lo)) & (self.addr < np.uint64(hi))
+                          & (ln != EMPTY) & (ln != DELETED))[0]
+
+    # -- updates ---------------------------------------------------------
+    def insert(self, k0: int, k1: int, addr: int, length: int, meta: int) -> int:
+        """Add a key that is not present; returns its slot."""
+        assert EMPTY < length < DELETED, length
+        self._reserve(1)
+        capacity = self.capacity
+        pos = k0 % capacity
+        while True:
+            ln = int(self.length[pos])
+            if ln == EMPTY or ln == DELETED:
+                break
+            assert not (int(self.k0[pos]) == k0 and int(self.k1[pos]) == k1), "insert of a present key"
+            pos = pos + 1 if pos + 1 < capacity else 0
+        if ln == DELETED:
+            self._deleted -= 1
+        self.k0[pos], self.k1[pos], self.addr[pos] = k0, k1, addr
+        self.length[pos], self.meta[pos] = length, meta
+        self._live += 1
+        return pos
+
+    def insert_many(self, k0, k1, addr, length, meta) -> None:
+        """Add keys that are absent and unique within the batch, vectorized."""
+        n = len(k0)
+        if not n:
+            return
+        assert np.all(length > EMPTY) and np.all(length < DELETED)
+        self._reserve(n)
+        self._place(np.asarray(k0, np.uint64), np.asarray(k1, np.uint64), np.asarray(addr, np.uint64),
+                    np.asarray(length, np.uint32), np.asarray(meta, np.uint32))
+
+    def _place(self, k0, k1, addr, length, meta) -> None:
+        pending = np.arange(len(k0))
+        pos = (k0 % np.uint64(self.capacity)).astype(np.int64)
+        # a bulk load marks claims in a table-sized scratch array (linear time); a small batch sorts
+        claim = np.full(self.capacity, -1, np.int32) if len(k0) * BULK_RATIO >= self.capacity else None
+        while pending.size:
+            ln = self.length[pos]
+            free = np.nonzero((ln == EMPTY) | (ln == DELETED))[0]
+            if claim is not None:
+                claim[pos[free]] = free  # with several claimants of one slot, one of them wins
+                winners = free[claim[pos[free]] == free]
+                claim[pos[free]] = -1
+            else:
+                winners = free[np.unique(pos[free], return_index=True)[1]]
+            slots, items = pos[winners], pending[winners]
+            self._deleted -= int(np.count_nonzero(self.length[slots] == DELETED))
+            self.k0[slots], self.k1[slots], self.addr[slots] = k0[items], k1[items], addr[items]
+            self.length[slots], self.meta[slots] = length[items], meta[items]
+            self._live += len(slots)
+            keep = np.ones(len(pending), bool)
+            keep[winners] = False
+            pending = pending[keep]
+            pos = self._next(pos[keep])
+
+    def _next(self, pos: np.ndarray) -> np.ndarray:
+        pos += 1
+        pos[pos == self.capacity] = 0
+        return pos
+
+    def remove(self, slots) -> None:
+        """Delete the given live slots."""
+        slots = np.unique(np.asarray(slots, np.int64))
+        if not slots.size:
+            return
+        ln = self.length[slots]
+        assert np.all((ln != EMPTY) & (ln != DELETED)), "remove of a free slot"
+        self.length[slots] = DELETED
+        self._live -= len(slots)
+        self._deleted += len(slots)
+
+    def clear(self) -> None:
+        self._allocate(CAPACITY_MIN)
+        self._live = self._deleted = 0
+
+    def _reserve(self, extra: int) -> None:
+        if self._live + self._deleted + extra <= self.capacity * LOAD_FACTOR_MAX:
+            return
+        need = self._live + extra
+        capacity = self.capacity
+        while need > capacity * LOAD_FACTOR_MAX:
+            capacity = int(capacity * GROWTH_FACTOR)
+        live = self.live_slots()
+        cols = (self.k0[live], self.k1[live], self.addr[live], self.length[live], self.meta[live])
+        self._allocate(capacity)
+        self._live = self._deleted = 0
+        self._place(*cols)
+

@@ -1,0 +1,119 @@
+"""The open region's DRAM image (pure, no I/O).
+
+Appends go here: blocks from the front (after the header page), summary
+entries from the back (see :mod:`.regionfmt`). The engine writes parts of
+this image to flash -- the filled prefix for a durable put, everything at
+seal -- so the image is always exactly what the region will hold::
+
+    0        4K                      data_end      summary_start      end
+    | header | block | block | ...   |    free      | entries (rev) | trailer |
+    |<- durable_end: prefix already on flash ->|
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.client.blockformat import HEADER_SIZE, stamp_sequence
+
+from . import regionfmt as fmt
+from .devices import align_down, align_up
+
+
+class OpenRegion:
+    def __init__(self, buffer: memoryview):
+        self.buffer = buffer
+        self.size_bytes = buffer.nbytes
+        self.region = -1
+        self.base_seq = 0
+        self.last_seq = 0
+        self.generation = 0
+        self.data_end = fmt.REGION_HEADER_BYTES
+        self.entry_count = 0
+        self.durable_end = 0  # bytes of the prefix known to be on flash and synced
+        self.durable_entries = 0  # summary entries known to be on flash and synced
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Room for blocks in an empty region (one summary entry each)."""
+        return self.size_bytes - fmt.REGION_HEADER_BYTES - fmt.TRAILER_BYTES
+
+    def reset(self, region: int, base_seq: int, generation: int) -> bytes:
+        """Start a new region; returns its header page (also placed in the image)."""
+        self.region, self.base_seq, self.last_seq, self.generation = region, base_seq, base_seq, generation
+        self.data_end = fmt.REGION_HEADER_BYTES
+        self.entry_count = 0
+        self.durable_end = 0
+        self.durable_entries = 0
+        header = fmt.encode_region_header(fmt.RegionHeader(generation, region, base_seq))
+        self.buffer[:fmt.REGION_HEADER_BYTES] = header
+        self.buffer[-fmt.TRAILER_BYTES:] = bytes(fmt.TRAILER_BYTES)
+        return header
+
+    def room_for(self, block_bytes: int, entries: int = 1) -> bool:
+        return self.data_end + block_bytes + fmt.summary_bytes(self.entry_count + entries) <= self.size_bytes
+
+    def append_block(self, block: memoryview, seq: int, k0: int, k1: int, ns: bytes, flags: int) -> int:
+        """Copy a verified block in, stamp its seq; returns its offset in the region."""
+        offset = self.data_end
+        length = block.nbytes
+        assert self.room_for(length), (offset, length, self.entry_count)
+        target = self.buffer[offset:offset + length]
+        target[:] = block
+        stamp_sequence(target[:HEADER_SIZE], seq)
+        self.data_end += length
+        self._entry(k0, k1, ns, seq, seq, offset, length, fmt.KIND_BLOCK, flags)
+        return offset
+
+    def append_meta(self, kind: int, k0: int, k1: int, ns: bytes, seq: int, target_seq: int) -> None:
+        assert self.room_for(0), self.entry_count
+        self._entry(k0, k1, ns, seq, target_seq, 0, 0, kind, 0)
+
+    def _entry(self, k0, k1, ns, seq, target_seq, offset, length, kind, flags) -> None:
+        assert seq > self.last_seq or (seq == self.base_seq and self.entry_count == 0), (seq, self.last_seq)
+        fmt.pack_entry(self.buffer, fmt.entry_position(self.size_bytes, self.entry_count),
+                       k0, k1, ns, seq, target_seq, offset, length, kind, flags)
+        self.entry_count += 1
+        self.last_seq = seq
+
+    def block(self, offset: int, length: int) -> memoryview:
+        return self.buffer[offset:offset + length]
+
+    def entries(self) -> np.ndarray:
+        """The summary entries so far, in append order (a copy)."""
+        start = fmt.entry_position(self.size_bytes, self.entry_count - 1) if self.entry_count else 0
+        raw = self.buffer[start:self.size_bytes - fmt.TRAILER_BYTES] if self.entry_count else b""
+        return np.frombuffer(raw, dtype=fmt.SUMMARY_DTYPE)[::-1].copy()
+
+    # -- what to write -------------------------------------------------------
+    def unsynced_prefix(self) -> tuple[int, int]:
+        """Aligned [start, end) of the prefix not yet durable (start == end: nothing)."""
+        start = align_down(self.durable_end)
+        end = align_up(self.data_end)
+        return (start, end) if self.data_end > self.durable_end else (end, end)
+
+    def unsynced_tail(self) -> tuple[int, int]:
+        """Aligned [start, end) of the summary entries not yet durable (start == end: nothing).
+        Recovery of an open region reads them back (see recovery.scan_open_image): that is how
+        pins, tombstones and the pinned flag of reinserted blocks outlive a crash before the seal."""
+        if self.entry_count == self.durable_entries:
+            return (0, 0)
+        start = align_down(fmt.entry_position(self.size_bytes, self.entry_count - 1))
+        end = align_up(fmt.entry_position(self.size_bytes, self.durable_entries) + fmt.ENTRY_BYTES)
+        return (start, end)
+
+    def seal_ranges(self) -> list[tuple[int, int]]:
+        """Write the trailer into the image; returns aligned [start, end) ranges still to write."""
+        first = fmt.entry_position(self.size_bytes, self.entry_count - 1) if self.entry_count else (
+            self.size_bytes - fmt.TRAILER_BYTES)
+        raw = self.buffer[first:self.size_bytes - fmt.TRAILER_BYTES]
+        trailer = fmt.make_trailer(raw, self.generation, self.region, self.entry_count, self.base_seq,
+                                   self.last_seq, self.data_end)
+        self.buffer[-fmt.TRAILER_BYTES:] = fmt.encode_trailer(trailer)
+        prefix_start, prefix_end = self.unsynced_prefix()
+        tail_start = align_down(first)
+        if prefix_end >= tail_start:
+            return [(min(prefix_start, tail_start), self.size_bytes)]
+        ranges = [(tail_start, self.size_bytes)]
+        if prefix_end > prefix_start:
+            ranges.insert(0, (prefix_start, prefix_end))
+        return ranges

@@ -1,0 +1,279 @@
+"""Recovery: find every region's entries on flash and pick the live blocks.
+
+1. Read every region's header page and last page (one parallel batch each).
+2. Header invalid or of another generation -> the region is free.
+   Trailer valid with the header's generation and base_seq -> *sealed*: read
+   its summary (CRC-checked). Otherwise the region was *open*: read it whole
+   and walk its self-describing blocks; the walk stops at the first block that
+   is torn or corrupt (CRCs), out of place, or not newer than the one before.
+3. :func:`select_live` merges all entries: per key the newest block wins,
+   then tombstones (``seq <= target_seq`` of the key), namespace tombstones
+   and pin/unpin records (newest record for that exact block) apply.
+
+Summary entries of sealed regions are trusted after their CRC; the blocks
+they point to are verified on every read (a torn one is a miss), and fully by
+``fsck``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
+
+from . import regionfmt as fmt
+from .devices import ALIGNMENT_BYTES, aligned_buffer, align_down
+from .raid0 import StripedArray
+
+SCAN_BATCH_REGIONS = 256  # header/trailer pages read per parallel batch: bounds the scratch memory
+
+
+@dataclass
+class RegionScan:
+    region: int
+    kind: str  # "free" | "sealed" | "open"
+    base_seq: int = 0
+    last_seq: int = 0
+    data_end: int = 0
+    entries: np.ndarray = field(default_factory=lambda: np.zeros(0, fmt.SUMMARY_DTYPE))
+    dropped_entries: int = 0
+    note: str = ""
+    image: memoryview | None = None  # open regions: the region as read
+
+
+def scan_regions(array: StripedArray, region_count: int, region_size_bytes: int, generation: int) -> list[RegionScan]:
+    scans: list[RegionScan] = []
+    for first in range(0, region_count, SCAN_BATCH_REGIONS):
+        batch = range(first, min(region_count, first + SCAN_BATCH_REGIONS))
+        heads = aligned_buffer(len(batch) * ALIGNMENT_BYTES)
+        tails = aligned_buffer(len(batch) * ALIGNMENT_BYTES)
+        ranges = []
+        for i, region in enumerate(batch):
+            base = region * region_size_bytes
+            ranges.append((base, heads[i * ALIGNMENT_BYTES:(i + 1) * ALIGNMENT_BYTES]))
+            ranges.append((base + region_size_bytes - ALIGNMENT_BYTES, tails[i * ALIGNMENT_BYTES:(i + 1) * ALIGNMENT_BYTES]))
+        array.read_ranges(ranges)
+        for i, region in enumerate(batch):
+            head = heads[i * ALIGNMENT_BYTES:(i + 1) * ALIGNMENT_BYTES]
+            tail = tails[(i + 1) * ALIGNMENT_BYTES - fmt.TRAILER_BYTES:(i + 1) * ALIGNMENT_BYTES]
+            scans.append(_classify(array, region, region_size_bytes, generation, head, tail))
+    return scans
+
+
+def _classify(array, region, region_size_bytes, generation, head, tail) -> RegionScan:
+    try:
+        header = fmt.decode_region_header(head)
+    except fmt.RegionFormatError as exc:
+        return RegionScan(region, "free", note=str(exc))
+    if header.generation != generation or header.region_index != region:
+        return RegionScan(region, "free", note="region header of an older generation")
+    try:
+        trailer = fmt.decode_trailer(tail)
+        if (trailer.generation, trailer.base_seq, trailer.region_index) != (generation, header.base_seq, region):
+            raise fmt.RegionFormatError("trailer of an older use of this region")
+        entries = _read_summary(array, region, region_size_bytes, trailer)
+        return RegionScan(region, "sealed", trailer.base_seq, trailer.last_seq, trailer.data_end, entries)
+    except fmt.RegionFormatError as exc:
+        note = f"open or torn region ({exc}); blocks scanned"
+    image = aligned_buffer(region_size_bytes)
+    array.read(region * region_size_bytes, image)
+    entries, data_end, dropped = scan_open_image(image, header.base_seq)
+    last = int(entries["seq"].max()) if len(entries) else header.base_seq
+    kind = "open" if len(entries) else "free"
+    return RegionScan(region, kind, header.base_seq, last, data_end, entries, dropped, note, image)
+
+
+def _read_summary(array, region, region_size_bytes, trailer) -> np.ndarray:
+    raw_bytes = fmt.ENTRY_BYTES * trailer.entry_count
+    end = region_size_bytes - fmt.TRAILER_BYTES
+    if raw_bytes > end - fmt.REGION_HEADER_BYTES:
+        raise fmt.RegionFormatError(f"summary of {trailer.entry_count} entries does not fit the region")
+    start = align_down(end - raw_bytes)
+    buf = aligned_buffer(region_size_bytes - start)
+    array.read(region * region_size_bytes + start, buf)
+    return fmt.decode_entries(buf[end - raw_bytes - start:end - start], trailer)
+
+
+def scan_open_image(image: memoryview, base_seq: int) -> tuple[np.ndarray, int, int]:
+    """Walk the blocks of a region image from the header page on, then the summary entries that
+    were made durable before the seal (metadata records, flags of blocks).
+
+    Returns (entries in seq order, data_end, dropped): ``dropped`` is 1 when the walk stopped at
+    something that looked like a block but failed its checks.
+    """
+    size = image.nbytes
+    pos = fmt.REGION_HEADER_BYTES
+    prev_seq = base_seq
+    rows = []
+    dropped = 0
+    while pos + HEADER_SIZE + fmt.summary_bytes(len(rows) + 1) <= size:
+        try:
+            header = decode_header(image[pos:pos + HEADER_SIZE])
+        except BlockFormatError:
+            break
+        end = pos + header.block_size
+        if header.seq <= prev_seq or end + fmt.summary_bytes(len(rows) + 1) > size:
+            break
+        try:
+            verify_block(image[pos:end])
+        except BlockFormatError:
+            dropped = 1
+            break
+        k0, k1 = np.frombuffer(header.key, "<u8")
+        rows.append([int(k0), int(k1), header.ns_id, header.seq, header.seq, pos, header.block_size,
+                     fmt.KIND_BLOCK, 0, b""])
+        prev_seq = header.seq
+        pos = end
+    rows += _durable_entries(image, base_seq, pos, rows)
+    rows.sort(key=lambda row: row[3])
+    return np.array([tuple(r) for r in rows], dtype=fmt.SUMMARY_DTYPE), pos, dropped
+
+
+_META_KINDS = (fmt.KIND_TOMBSTONE, fmt.KIND_PIN, fmt.KIND_UNPIN, fmt.KIND_NS_TOMBSTONE)
+
+
+def _durable_entries(image: memoryview, base_seq: int, data_end: int, blocks: list) -> list:
+    """Summary entries of an open region, read from its tail while they are plausible: seqs
+    increasing from base_seq (older or stale bytes stop the walk). Entries are 64 bytes inside
+    512-byte sectors, so a torn write leaves each one old or new, never mixed. A block entry
+    only lends its flags to the scanned block it matches exactly; metadata records are returned."""
+    by_offset = {row[5]: row for row in blocks}
+    size = image.nbytes
+    meta = []
+    prev_seq = base_seq
+    index = 0
+    while (position := fmt.entry_position(size, index)) >= data_end:
+        k0, k1, ns, seq, target, offset, length, kind, flags = fmt.ENTRY_STRUCT.unpack_from(image, position)
+        if seq <= prev_seq or (kind != fmt.KIND_BLOCK and kind not in _META_KINDS):
+            break
+        if kind == fmt.KIND_BLOCK:
+            row = by_offset.get(offset)
+            if row is not None and (row[0], row[1], row[3], row[6]) == (k0, k1, seq, length):
+                row[8] = flags
+        else:
+            meta.append([k0, k1, ns, seq, target, 0, 0, kind, 0, b""])
+        prev_seq = seq
+        index += 1
+    return meta
+
+
+@dataclass(frozen=True)
+class LiveSet:
+    """The blocks recovery keeps, as columns."""
+
+    k0: np.ndarray
+    k1: np.ndarray
+    region: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    seq: np.ndarray
+    pinned: np.ndarray
+    max_seq: int
+    meta_records: dict  # region -> [(kind, k0, k1, ns, seq, target_seq)]
+
+
+def select_live(scans: list[RegionScan]) -> LiveSet:
+    parts, regions = [], []
+    max_seq = 0
+    for scan in scans:
+        if scan.kind == "free":
+            continue
+        max_seq = max(max_seq, scan.last_seq, scan.base_seq)
+        parts.append(scan.entries)
+        regions.append(np.full(len(scan.entries), scan.region, np.int64))
+    entries = np.concatenate(parts) if parts else np.zeros(0, fmt.SUMMARY_DTYPE)
+    region_of = np.concatenate(regions) if regions else np.zeros(0, np.int64)
+    if len(entries):
+        max_seq = max(max_seq, int(entries["seq"].max()))
+    is_block = entries["kind"] == fmt.KIND_BLOCK
+    meta, meta_region = entries[~is_block], region_of[~is_block]
+    # block columns, contiguous (sorting and fancy-indexing 64-byte records is several times slower)
+    cols = {name: entries[name][is_block] for name in ("k0", "k1", "seq", "offset", "length", "flags")}
+    cols["region"] = region_of[is_block]
+    keep = _newest_per_key(cols["k0"], cols["k1"], cols["seq"])
+    pinned = (cols["flags"] & fmt.FLAG_PINNED) != 0
+    if len(meta):
+        ns = entries["ns"][is_block]
+        keep, pinned = _apply_meta(cols, ns, keep, pinned, meta)
+    records: dict[int, list[tuple]] = {}
+    for rec, region in zip(meta.tolist(), meta_region.tolist()):
+        k0, k1, ns_, seq, target_seq, _, _, kind_, _, _ = rec
+        records.setdefault(region, []).append((kind_, k0, k1, bytes(ns_), seq, target_seq))
+    return LiveSet(cols["k0"][keep], cols["k1"][keep], cols["region"][keep], cols["offset"][keep].astype(np.int64),
+                   cols["length"][keep].astype(np.int64), cols["seq"][keep], pinned[keep], max_seq, records)
+
+
+def _newest_per_key(k0: np.ndarray, k1: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Mask of the newest entry of every key. One sort on k0; the rare keys seen more than once
+    (re-put after delete, reinsertion) are resolved among themselves."""
+    keep = np.ones(len(k0), bool)
+    if len(k0) < 2:
+        return keep
+    order = np.argsort(k0)
+    sorted_k0 = k0[order]
+    same = np.nonzero(sorted_k0[1:] == sorted_k0[:-1])[0]
+    if not same.size:
+        return keep
+    members = order[np.unique(np.concatenate([same, same + 1]))]
+    sub = members[np.lexsort((seq[members], k1[members], k0[members]))]
+    newest = np.ones(len(sub), bool)
+    newest[:-1] = (k0[sub][:-1] != k0[sub][1:]) | (k1[sub][:-1] != k1[sub][1:])
+    keep[sub[~newest]] = False
+    return keep
+
+
+def _apply_meta(cols, ns, keep, pinned, meta):
+    """Tombstones, namespace tombstones and pin/unpin records, oldest record first."""
+    live = np.nonzero(keep)[0]
+    key_pos = {(a, b): int(i) for a, b, i in zip(cols["k0"][live].tolist(), cols["k1"][live].tolist(), live)}
+    seqs = cols["seq"]
+    pin_seen: dict[int, int] = {}  # block position -> seq of the newest pin/unpin record applied
+    for rec in meta[np.argsort(meta["seq"], kind="stable")]:
+        kind = int(rec["kind"])
+        if kind == fmt.KIND_NS_TOMBSTONE:
+            ns_id = np.frombuffer(np.array([rec["k0"], rec["k1"]], "<u8").tobytes(), "V16")[0]
+            keep &= ~((ns == ns_id) & (seqs < rec["target_seq"]))
+            continue
+        pos = key_pos.get((int(rec["k0"]), int(rec["k1"])))
+        if pos is None:
+            continue
+        if kind == fmt.KIND_TOMBSTONE:
+            if int(seqs[pos]) <= int(rec["target_seq"]):
+                keep[pos] = False
+        elif kind in (fmt.KIND_PIN, fmt.KIND_UNPIN) and int(seqs[pos]) == int(rec["target_seq"]):
+            if int(rec["seq"]) >= pin_seen.get(pos, -1):
+                pin_seen[pos] = int(rec["seq"])
+                pinned[pos] = kind == fmt.KIND_PIN
+    return keep, pinned
+
+
+def write_summary(array: StripedArray, image: memoryview, region: int, generation: int, entries: np.ndarray,
+                  base_seq: int, data_end: int) -> None:
+    """Lay ``entries`` out as the summary of a region image and write the summary pages, synced.
+    Used to seal a region found open at recovery, and by fsck to drop bad entries."""
+    size = image.nbytes
+    for i, row in enumerate(entries.tolist()):
+        k0, k1, ns, seq, target, offset, length, kind, flags, _ = row
+        fmt.pack_entry(image, fmt.entry_position(size, i), k0, k1, bytes(ns), seq, target, offset, length, kind, flags)
+    first = fmt.entry_position(size, len(entries) - 1) if len(entries) else size - fmt.TRAILER_BYTES
+    last_seq = int(entries["seq"].max()) if len(entries) else base_seq
+    trailer = fmt.make_trailer(image[first:size - fmt.TRAILER_BYTES], generation, region, len(entries), base_seq,
+                               last_seq, data_end)
+    image[size - fmt.TRAILER_BYTES:] = fmt.encode_trailer(trailer)
+    start = align_down(first)
+    array.write(region * size + start, image[start:])
+    array.sync()
+
+
+def read_region_entries(array: StripedArray, region: int, region_size_bytes: int, base_seq: int) -> np.ndarray:
+    """A sealed region's summary entries; if its summary was damaged since, its blocks, scanned."""
+    tail = aligned_buffer(ALIGNMENT_BYTES)
+    array.read(region * region_size_bytes + region_size_bytes - ALIGNMENT_BYTES, tail)
+    try:
+        trailer = fmt.decode_trailer(tail[ALIGNMENT_BYTES - fmt.TRAILER_BYTES:])
+        return _read_summary(array, region, region_size_bytes, trailer)
+    except fmt.RegionFormatError:
+        image = aligned_buffer(region_size_bytes)
+        array.read(region * region_size_bytes, image)
+        return scan_open_image(image, base_seq)[0]
