@@ -28,5 +28,9 @@ run: $(VENV)/.run-deps
 test: $(VENV)/.test-deps
 	$(PY) -m pytest -q
 
+# the vLLM and SGLang connectors against the real frameworks, each in its own venv
+test-engines:
+	bash tests_engines/run.sh
+
 clean-venv:
 	rm -rf $(VENV)

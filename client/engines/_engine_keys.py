@@ -1,0 +1,58 @@
+"""Namespaces and keys the engine connectors derive (no framework imports).
+
+Everything that makes two blocks interchangeable enters the namespace, so a
+block can only ever be found by a request whose KV it really is:
+
+    base      model, KV layout, codec, operator tenant      (from the config)
+    + shard   extra tp="rank/size" (and pp="rank/size")      each rank stores its own heads
+    + request tenant_salt <- the request's cache_salt        (per-user isolation)
+              extra lora  <- the LoRA adapter's name         (adapters change K and V)
+
+SGLang names its pages with string hashes (already chained over the prefix);
+:func:`page_key` maps one to a 16-byte key with BLAKE2b-128 keyed by the
+namespace id, so the same page string in two namespaces gives unrelated keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ..keys import KEY_SIZE_BYTES, Namespace
+
+_PAGE_PERSON = b"kvtier-page-v1"
+PAGE_KEY_CHARS_MAX = 4096  # SGLang page hashes are 64 hex chars; refuse anything absurd
+
+
+def shard_namespace(base: Namespace, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> Namespace:
+    """``base`` for one tensor-parallel (and pipeline) shard."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp rank {tp_rank} outside 0..{tp_size - 1}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp rank {pp_rank} outside 0..{pp_size - 1}")
+    extra = {"tp": f"{tp_rank}/{tp_size}"}
+    if pp_size > 1:
+        extra["pp"] = f"{pp_rank}/{pp_size}"
+    return base.with_extra(**extra)
+
+
+def request_namespace(shard: Namespace, cache_salt: str | None, lora_name: str | None) -> Namespace:
+    """``shard`` narrowed to one request's cache salt and LoRA adapter.
+
+    The operator's tenant salt and the request's salt are combined as a JSON
+    pair, so no choice of either can collide with another combination."""
+    ns = shard
+    if cache_salt:
+        salt = json.dumps([ns.tenant_salt, str(cache_salt)], separators=(",", ":"))
+        ns = Namespace(ns.model, ns.layout, ns.codec, salt, dict(ns.extra))
+    if lora_name:
+        ns = ns.with_extra(lora=str(lora_name))
+    return ns
+
+
+def page_key(ns_id: bytes, page: str) -> bytes:
+    """The 16-byte key of an engine's page-hash string within a namespace."""
+    if len(ns_id) != KEY_SIZE_BYTES:
+        raise ValueError(f"namespace id must be {KEY_SIZE_BYTES} bytes, got {len(ns_id)}")
+    if not isinstance(page, str) or not page or len(page) > PAGE_KEY_CHARS_MAX:
+        raise ValueError(f"page key must be a non-empty string of at most {PAGE_KEY_CHARS_MAX} chars, got {page!r}")
+    return hashlib.blake2b(page.encode(), digest_size=KEY_SIZE_BYTES, key=ns_id, person=_PAGE_PERSON).digest()

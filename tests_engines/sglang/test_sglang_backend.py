@@ -1,0 +1,203 @@
+"""KVTierHiCacheStorage against the real SGLang 0.5.23 classes on CPU and a real kvtierd."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_env import (
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_LAYERS,
+    PAGE_SIZE,
+    attach_backend,
+    fill_pages,
+    make_host_pool,
+    make_storage_config,
+    page_keys,
+    page_kv,
+)
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from kvtier.client import BlockClient
+from kvtier.client.blockformat import encode_block
+from kvtier.client.engines.sglang import KVTierHiCacheStorage
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+_seq = iter(range(10**9))
+
+
+def fresh_tokens(n_pages: int) -> list[int]:
+    """Tokens no other test stores (the daemon is shared by the session)."""
+    rng = random.Random(next(_seq) * 104729 + 3)
+    return [rng.randrange(1, 50000) for _ in range(n_pages * PAGE_SIZE)]
+
+
+def test_dynamic_factory_builds_the_backend(kvtierd):
+    pool = make_host_pool()
+    backend = attach_backend(make_storage_config(kvtierd.data_addr, tp_rank=1, tp_size=2), pool)
+    try:
+        assert type(backend) is KVTierHiCacheStorage and isinstance(backend, HiCacheStorage)
+        assert backend.mem_pool_host is pool
+        layout = backend.namespace.layout
+        assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_tokens) == (
+            NUM_LAYERS, NUM_HEADS, HEAD_DIM, "float16", PAGE_SIZE)
+        assert dict(backend.namespace.extra) == {"tp": "1/2"}
+        assert backend.namespace.model == "tiny-llama-test"
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", [(l, l) for l in LAYOUTS] + [("layer_first", "page_first"),
+                                                                            ("page_head", "page_first_direct")])
+def test_v1_round_trip_through_host_pools(kvtierd, src_layout, dst_layout):
+    keys = page_keys(fresh_tokens(3))
+    src_pool, dst_pool = make_host_pool(src_layout), make_host_pool(dst_layout)
+    src = attach_backend(make_storage_config(kvtierd.data_addr), src_pool)
+    dst = attach_backend(make_storage_config(kvtierd.data_addr), dst_pool)
+    try:
+        src_idx = src_pool.alloc(3 * PAGE_SIZE)
+        fill_pages(src_pool, src_idx, seed=1)
+        assert src.batch_exists(keys) == 0
+        assert src.batch_set_v1(keys, src_idx) == [True] * 3
+        assert dst.batch_exists(keys) == 3
+        dst_pool.alloc(2 * PAGE_SIZE)  # land on different slots than the source used
+        dst_idx = dst_pool.alloc(3 * PAGE_SIZE)
+        assert dst.batch_get_v1(keys, dst_idx) == [True] * 3
+        for s, d in zip(src_idx[::PAGE_SIZE].tolist(), dst_idx[::PAGE_SIZE].tolist()):
+            assert torch.equal(page_kv(dst_pool, d), page_kv(src_pool, s))
+        assert dst.get_stats().prefetch_pgs == [3] and dst.get_stats().prefetch_pgs == []
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generic_round_trip_with_flat_pages(kvtierd, layout):
+    """The controller's generic path: get_data_page -> batch_set; batch_get ->
+    set_from_flat_data_page (SGLang's own pool methods on both sides)."""
+    keys = page_keys(fresh_tokens(2))
+    src_pool, dst_pool = make_host_pool(layout), make_host_pool(layout)
+    src = attach_backend(make_storage_config(kvtierd.data_addr, interface_v1=False), src_pool)
+    dst = attach_backend(make_storage_config(kvtierd.data_addr, interface_v1=False), dst_pool)
+    try:
+        src_idx = src_pool.alloc(2 * PAGE_SIZE)
+        fill_pages(src_pool, src_idx, seed=2)
+        starts = src_idx[::PAGE_SIZE].tolist()
+        assert src.batch_set(keys, [src_pool.get_data_page(s) for s in starts])
+        assert src.exists(keys[0]) and src.exists(keys[1])
+        got = dst.batch_get(keys, [dst_pool.get_dummy_flat_data_page() for _ in keys])
+        assert all(g is not None for g in got)
+        dst_idx = dst_pool.alloc(2 * PAGE_SIZE)
+        for d, page in zip(dst_idx[::PAGE_SIZE].tolist(), got):
+            dst_pool.set_from_flat_data_page(d, page)
+        for s, d in zip(starts, dst_idx[::PAGE_SIZE].tolist()):
+            assert torch.equal(page_kv(dst_pool, d), page_kv(src_pool, s))
+        single = dst.get(keys[1])
+        assert torch.equal(single, src_pool.get_data_page(starts[1]))
+        assert dst.get(page_keys(fresh_tokens(1))[0]) is None
+        assert dst.set(keys[0], src_pool.get_data_page(starts[0]))
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_batch_exists_counts_the_leading_pages(kvtierd):
+    keys = page_keys(fresh_tokens(5))
+    pool = make_host_pool()
+    backend = attach_backend(make_storage_config(kvtierd.data_addr), pool)
+    other_rank = attach_backend(make_storage_config(kvtierd.data_addr, tp_rank=1, tp_size=2), make_host_pool())
+    other_model = attach_backend(make_storage_config(kvtierd.data_addr, model="another-model"), make_host_pool())
+    try:
+        idx = pool.alloc(5 * PAGE_SIZE)
+        fill_pages(pool, idx, seed=3)
+        stored = [0, 1, 3]
+        page_idx = idx.view(5, PAGE_SIZE)[stored].flatten()
+        assert backend.batch_set_v1([keys[i] for i in stored], page_idx) == [True] * 3
+        assert backend.batch_exists(keys) == 2
+        assert backend.batch_exists(keys[:2]) == 2
+        assert backend.batch_exists(keys[1:]) == 1
+        assert backend.batch_exists(keys[2:]) == 0
+        assert backend.batch_exists(keys[3:4]) == 1
+        assert backend.batch_exists([]) == 0
+        assert other_rank.batch_exists(keys) == 0  # another TP rank's heads are another namespace
+        assert other_model.batch_exists(keys) == 0
+    finally:
+        for b in (backend, other_rank, other_model):
+            b.close()
+
+
+def test_a_corrupt_page_reads_as_a_miss_and_is_not_written(kvtierd):
+    keys = page_keys(fresh_tokens(3))
+    src_pool, dst_pool = make_host_pool(), make_host_pool()
+    src = attach_backend(make_storage_config(kvtierd.data_addr), src_pool)
+    dst = attach_backend(make_storage_config(kvtierd.data_addr), dst_pool)
+    try:
+        src_idx = src_pool.alloc(3 * PAGE_SIZE)
+        fill_pages(src_pool, src_idx, seed=4)
+        assert src.batch_set_v1(keys, src_idx) == [True] * 3
+        # a well-formed frame (CRCs right) with a payload of the wrong size under page 1's key
+        key1 = src.keys_of(keys)[1]
+        with BlockClient(kvtierd.data_addr) as client:
+            assert client.delete(key1)
+            client.put(key1, encode_block(key1, src.namespace.id, src.cache.codec.codec_id, b"\1" * 32))
+        assert dst.batch_exists(keys) == 3  # LOOKUP sees it; only loading can tell
+        dst_idx = dst_pool.alloc(3 * PAGE_SIZE)
+        sentinel = torch.full((2, NUM_LAYERS, PAGE_SIZE, NUM_HEADS, HEAD_DIM), 7.0, dtype=torch.float16)
+        for d in dst_idx[::PAGE_SIZE].tolist():
+            dst_pool.get_data_page(d, flat=False).copy_(sentinel)
+        assert dst.batch_get_v1(keys, dst_idx) == [True, False, True]
+        starts_src, starts_dst = src_idx[::PAGE_SIZE].tolist(), dst_idx[::PAGE_SIZE].tolist()
+        assert torch.equal(page_kv(dst_pool, starts_dst[0]), page_kv(src_pool, starts_src[0]))
+        assert torch.equal(page_kv(dst_pool, starts_dst[1]), sentinel)  # untouched
+        assert torch.equal(page_kv(dst_pool, starts_dst[2]), page_kv(src_pool, starts_src[2]))
+        assert dst.get(keys[1]) is None
+        assert dst.counters["failed_pages"] == 2
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_misaligned_host_indices_are_refused(kvtierd):
+    pool = make_host_pool()
+    backend = attach_backend(make_storage_config(kvtierd.data_addr), pool)
+    try:
+        idx = pool.alloc(2 * PAGE_SIZE)
+        with pytest.raises(ValueError, match="aligned"):
+            backend.batch_get_v1(page_keys(fresh_tokens(2)), idx + 1)
+        with pytest.raises(ValueError, match="host indices"):
+            backend.batch_set_v1(page_keys(fresh_tokens(2)), idx[:PAGE_SIZE])
+    finally:
+        backend.close()
+
+
+def test_unreachable_daemon_is_a_miss_not_a_crash(tmp_path):
+    pool = make_host_pool()
+    backend = attach_backend(make_storage_config("127.0.0.1:9"), pool)  # nothing listens on port 9
+    try:
+        keys = page_keys(fresh_tokens(2))
+        idx = pool.alloc(2 * PAGE_SIZE)
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, idx) == [False, False]
+        assert backend.batch_set_v1(keys, idx) == [False, False]
+    finally:
+        backend.close()
+
+
+def test_backup_skips_the_pages_already_stored(kvtierd):
+    keys = page_keys(fresh_tokens(5))
+    pool = make_host_pool("page_first")
+    backend = attach_backend(make_storage_config(kvtierd.data_addr), pool)
+    try:
+        idx = pool.alloc(5 * PAGE_SIZE)
+        fill_pages(pool, idx, seed=5)
+        assert backend.batch_set_v1(keys[:3], idx[:3 * PAGE_SIZE]) == [True] * 3
+        assert backend.counters["saved_pages"] == 3
+        assert backend.batch_set_v1(keys, idx) == [True] * 5  # SGLang backs up the whole prefix again
+        assert backend.counters["saved_pages"] == 5  # only the 2 new pages went out
+        assert backend.batch_exists(keys) == 5
+        assert backend.get_stats().backup_pgs == [3, 5]
+    finally:
+        backend.close()

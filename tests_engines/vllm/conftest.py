@@ -1,0 +1,27 @@
+"""Fixtures for the vLLM connector tests: a real kvtierd and a tiny local model folder."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # daemon_proc: starts a real kvtierd
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from daemon_proc import start_kvtierd  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def kvtierd(tmp_path_factory):
+    d = start_kvtierd(tmp_path_factory.mktemp("kvtierd"))
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    from vllm_env import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("model"))
