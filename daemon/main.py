@@ -62,6 +62,7 @@ class Daemon:
     def start(self) -> str:
         """Open the store and start serving; returns the ready line."""
         from kvtier.daemon.server import DataServer
+        self.notifier.notify("STATUS=opening devices and recovering the index")
         engine = open_engine(self.cfg)
         try:
             state = DaemonState(self.cfg, engine)
@@ -142,8 +143,7 @@ class Daemon:
         state.data_server.stop()
         if self._admin is not None:
             self._admin.stop()
-        state.engine.flush()
-        state.engine.close()
+        state.engine.close()  # seals and syncs the open region, then closes the devices
         log.info("event=stopped uptime_s=%.1f", state.uptime_s)
 
 

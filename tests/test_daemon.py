@@ -183,6 +183,7 @@ def test_sd_notify_ready_watchdog_stopping(tmp_path):
     env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="200000")
     d = start_kvtierd(tmp_path / "d", env=env)
     try:
+        assert sock.recv(4096).decode().startswith("STATUS=opening devices")
         messages = [sock.recv(4096).decode()]
         assert messages[0].startswith("READY=1") and "STATUS=serving data=" in messages[0]
         assert sock.recv(4096).decode() == "WATCHDOG=1"

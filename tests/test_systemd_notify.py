@@ -100,7 +100,9 @@ def test_ready_watchdog_stopping_in_order_and_sigterm_drains(tmp_path):
             d.kill()
         notify.close()
 
-    kinds = [next(k for k in ("READY", "WATCHDOG", "STOPPING", "RELOADING") if k in m) for _, m in notify.messages]
+    first = notify.messages[0][1]
+    assert "READY" not in first and "recovering" in first.get("STATUS", ""), first  # said before the index rebuild
+    kinds = [next(k for k in ("READY", "WATCHDOG", "STOPPING", "RELOADING") if k in m) for _, m in notify.messages[1:]]
     assert kinds[0] == "READY" and kinds[-1] == "STOPPING"
     assert set(kinds[1:-1]) == {"WATCHDOG"} and len(kinds) >= 5
     pings = [t for t, m in notify.messages if "WATCHDOG" in m]
