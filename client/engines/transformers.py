@@ -1,0 +1,131 @@
+"""Hugging Face transformers (5.x) integration: prefill only what is not stored.
+
+::
+
+    prompt tokens ----> KVCache.load(tokens, max_tokens=T-1)     stored prefix P (whole blocks)
+                         -> DynamicCache(ddp_cache_data=[(k, v), ...])
+    tokens[P:]    ----> model(suffix, cache=that DynamicCache)    prefill of the suffix only
+                         -> logits of the last token, the full DynamicCache
+                         -> KVCache.store(tokens, cache layers)   new full blocks only
+
+At least one token is always prefilled (the model must produce the last
+token's logits), so a fully stored prompt loads ``T-1`` tokens rounded down
+to whole blocks.
+
+Supported: transformers >= 5.0, < 6 (``cache.layers[i].keys/.values`` and
+``DynamicCache(ddp_cache_data=...)``); tested with 5.24. The forward
+argument is ``cache`` from 5.24 on and ``past_key_values`` before; the
+helper picks whichever the model's ``forward`` accepts.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..keys import KVLayout, Namespace
+
+TRANSFORMERS_MIN = (5, 0)
+TRANSFORMERS_BELOW = (6, 0)
+
+
+def check_transformers_version() -> str:
+    """The installed version; ImportError naming the supported range otherwise."""
+    import transformers
+
+    version = transformers.__version__
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if not TRANSFORMERS_MIN <= parts < TRANSFORMERS_BELOW:
+        raise ImportError(f"kvtier's transformers integration supports transformers >=5.0,<6; found {version}")
+    return version
+
+
+def kv_layout_for(config: Any, block_tokens: int = 16, dtype: str | None = None) -> KVLayout:
+    """The KV layout of a decoder config (Llama-style attention)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if dtype is None:
+        dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
+    dtype = dtype.replace("torch.", "")
+    return KVLayout(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=dtype, block_tokens=block_tokens)
+
+
+def namespace_for(model: Any, model_id: str, block_tokens: int = 16, codec: str = "raw",
+                  tenant_salt: str = "") -> Namespace:
+    """A namespace for ``model`` (its KV layout from the config, its dtype
+    from its parameters). ``model_id`` must pin the weights (a name and
+    revision, a checkpoint digest): KV from other weights is not interchangeable."""
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return Namespace(model=model_id, layout=kv_layout_for(model.config, block_tokens, dtype), codec=codec,
+                     tenant_salt=tenant_salt)
+
+
+def cache_from_layers(layers) -> Any:
+    """A DynamicCache holding per-layer ``(k, v)`` (empty if ``layers`` is),
+    without copying them: ``DynamicCache(ddp_cache_data=...)`` concatenates
+    each layer onto an empty tensor (a full copy of the prefix), so the cache
+    is built from zero-length slices and then given the loaded tensors as its
+    ``layers[i].keys/.values``. The model's first update concatenates the
+    suffix onto them, as it would onto its own."""
+    from transformers import DynamicCache
+
+    layers = list(layers)
+    if not layers:
+        return DynamicCache()
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in layers])
+    for layer, (k, v) in zip(cache.layers, layers):
+        layer.keys, layer.values = k, v
+    return cache
+
+
+def layers_of_cache(cache: Any) -> list:
+    """Per-layer ``(k, v)`` of a DynamicCache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache_argument(model: Any) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    logits: Any  # [1, vocab]: the last prompt token's logits
+    cache: Any  # DynamicCache over the whole prompt, ready for decoding
+    prompt_tokens: int
+    loaded_tokens: int
+    stored_blocks: int
+    load_s: float
+    prefill_s: float
+    store_s: float
+
+
+def prefill(model: Any, input_ids: Any, kvcache: Any, store: bool = True) -> PrefillResult:
+    """Load the stored prefix of ``input_ids`` ([1, T]) from ``kvcache``,
+    prefill the rest, store the new full blocks (unless ``store`` is False)."""
+    import torch
+
+    check_transformers_version()
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, T] (batch 1), got {tuple(input_ids.shape)}")
+    total = int(input_ids.shape[1])
+    if total == 0:
+        raise ValueError("input_ids is empty: nothing to prefill")
+    tokens = input_ids[0].tolist()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        loaded = kvcache.load(tokens, max_tokens=total - 1)
+        cache = cache_from_layers(loaded.layers)
+        t1 = time.perf_counter()
+        out = model(input_ids[:, loaded.num_tokens:], use_cache=True, logits_to_keep=1,
+                    **{_cache_argument(model): cache})
+        t2 = time.perf_counter()
+        stored = kvcache.store(tokens, layers_of_cache(cache)) if store else 0
+        t3 = time.perf_counter()
+    return PrefillResult(logits=out.logits[:, -1], cache=cache, prompt_tokens=total,
+                         loaded_tokens=loaded.num_tokens, stored_blocks=stored,
+                         load_s=t1 - t0, prefill_s=t2 - t1, store_s=t3 - t2)

@@ -1,0 +1,496 @@
+"""KVCache: the engine-side cache over the hot, warm and cold tiers.
+
+What an inference engine links. Given a prompt's tokens it finds the
+longest stored prefix, brings its KV into the engine's memory and lets the
+engine prefill only the rest; after prefill it stores the new blocks::
+
+    load(tokens)
+      keys = namespace.keys(tokens)                    (chained, whole blocks)
+      hot:  lease the leading blocks resident in the pool (ref-counted)
+      warm: the rest from kvtierd - direct device reads of sealed blocks
+            where the devices are visible (validated: key, seq, CRC; a
+            mismatch falls back to TCP), TCP otherwise
+            -> decode (the namespace's codec) straight into pool slots
+      -> per-layer (k, v) [1, kv_heads, T, head_dim] on the engine's device
+
+    store(tokens, kv)
+      one LOOKUP round trip -> skip the leading blocks already stored
+      -> encode + PUT the rest (one batch), and keep them hot
+
+cold (the daemon's upstream) is served through the daemon; the client cannot
+yet tell an upstream fill from a local hit, so its counters stay zero until
+the protocol reports it.
+
+Several daemon addresses form a static cluster: each key has one owner by
+rendezvous hashing over the addresses (the same rule everywhere, so every
+client agrees); a batch is split per owner.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+from kvtier.kernels import MixedCodec, get_codec
+
+from .block_payload import blocks_from_kv, check_kv, copy_block_into, empty_kv, layers_of, torch_dtype
+from .blockformat import BlockFormatError, decode_header, encode_block, payload_of
+from .direct_reader import DirectLocation, DirectReader
+from .hot_pool import HotPool
+from .keys import Namespace
+from .tier_stats import CacheStatistics, TierRecorder
+
+DEFAULT_HOT_POOL_BYTES = 256 * 1024 * 1024  # a modest default; engines size it from free HBM
+WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at a time
+FETCH_STREAMS_MAX = 4  # parallel GET batches per daemon and load: measured ~2x faster than one batch on loopback
+FETCH_STREAM_BLOCKS_MIN = 4  # a batch smaller than this is not worth a stream of its own
+TRANSPORTS = ("auto", "tcp", "direct")
+_RENDEZVOUS_PERSON = b"kvtier-owner-v1"
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    """The KV of a stored prefix: ``layers[i] = (k, v)``, each
+    ``[1, kv_heads, num_tokens, head_dim]`` on the cache's device."""
+
+    num_tokens: int
+    layers: tuple = ()
+    blocks_hot: int = 0
+    blocks_warm: int = 0
+    transports: Mapping[str, int] = field(default_factory=dict)  # warm blocks by transport
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks_hot + self.blocks_warm
+
+
+@dataclass(frozen=True)
+class _Daemon:
+    """One daemon: its block client and, where its devices are visible, a direct reader."""
+
+    address: str
+    client: object
+    reader: DirectReader | None
+
+
+class KVCache:
+    """The engine-side cache. See the module doc; thread-safe."""
+
+    def __init__(self, namespace: Namespace, addresses: str | Sequence[str], token: str | None = None,
+                 hot_pool_bytes: int = DEFAULT_HOT_POOL_BYTES, device: str = "cpu",
+                 device_map: Mapping[str, str] | None = None, transport: str = "auto",
+                 pool_size: int = 4, timeout_s: float = 30.0, direct_backend: str = "auto") -> None:
+        from . import BlockClient  # the block client (TCP); imported here to keep this module light
+
+        if not isinstance(namespace, Namespace):
+            raise ValueError("namespace must be a kvtier.client.keys.Namespace")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "direct" and not device_map:
+            raise ValueError("transport='direct' needs device_map {daemon device id: local path}")
+        addrs = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not addrs or len(set(addrs)) != len(addrs):
+            raise ValueError(f"need one or more distinct daemon addresses, got {addresses!r}")
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.codec = get_codec(namespace.codec)
+        self.device = device
+        self.transport = transport
+        self._hot = HotPool(self.layout, hot_pool_bytes, device)
+        self._stats = {name: TierRecorder(name) for name in ("hot", "warm", "cold")}
+        self._counters_lock = threading.Lock()
+        self._requested = 0
+        self._stored = 0
+        self._daemons: list[_Daemon] = []
+        self._executor = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-cache")
+        self._streams = max(1, min(FETCH_STREAMS_MAX, pool_size))
+        # GET streams run here, never on _executor: a prefetch waiting on its own pool could deadlock
+        self._io = ThreadPoolExecutor(max_workers=self._streams * len(addrs), thread_name_prefix="kvtier-get")
+        try:
+            for addr in addrs:
+                client = BlockClient(addr, token=token, pool_size=pool_size, timeout_s=timeout_s)
+                self._daemons.append(_Daemon(addr, client, None))
+                self._daemons[-1] = _Daemon(addr, client, self._open_reader(client, device_map, direct_backend))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_reader(self, client, device_map, backend) -> DirectReader | None:
+        if self.transport == "tcp" or not device_map:
+            return None
+        geometry = client.geometry()
+        try:
+            return DirectReader(geometry, device_map, backend=backend)
+        except (ValueError, OSError):
+            if self.transport == "direct":
+                raise
+            return None  # auto: these devices are not visible here; TCP it is
+
+    # --- keys and lookup ---------------------------------------------------
+    def keys_for(self, tokens) -> list[bytes]:
+        return self.namespace.keys(_as_token_list(tokens))
+
+    @property
+    def direct_enabled(self) -> bool:
+        return any(d.reader is not None for d in self._daemons)
+
+    def lookup(self, tokens) -> int:
+        """Leading stored tokens (whole blocks), hot pool first, then one
+        LOOKUP round trip per daemon."""
+        return self.lookup_keys(self.keys_for(tokens)) * self.layout.block_tokens
+
+    def lookup_keys(self, keys: Sequence[bytes]) -> int:
+        """Leading stored blocks of ``keys``."""
+        keys = list(keys)
+        hot = 0
+        while hot < len(keys) and self._hot.contains(keys[hot]):
+            hot += 1
+        return hot + self._lookup_warm(keys[hot:])
+
+    def _lookup_warm(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        first_missing = len(keys)
+        for daemon, idx in self._by_owner(keys).items():
+            present = daemon.client.lookup([keys[i] for i in idx])
+            if present < len(idx):
+                first_missing = min(first_missing, idx[present])
+        return first_missing
+
+    # --- load ----------------------------------------------------------------
+    def load(self, tokens, max_tokens: int | None = None) -> LoadedPrefix:
+        """The longest stored prefix of ``tokens`` (at most ``max_tokens``), as
+        per-layer K and V on the cache's device."""
+        token_list = _as_token_list(tokens)
+        if max_tokens is not None:
+            if max_tokens < 0:
+                raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+            token_list = token_list[:max_tokens]
+        keys = self.keys_for(token_list)
+        with self._held(keys, prefix_only=True) as held:
+            out = empty_kv(self.layout, len(held.blocks), self.device)
+            scratch = None
+            n = 0
+            for block in held.blocks:
+                if isinstance(block, _Staged):
+                    if scratch is None:
+                        scratch = self._empty_block()
+                    if not self._decode(block.data, scratch):
+                        break  # a payload the codec rejects ends the prefix
+                    block = scratch
+                copy_block_into(out, n, block, self.layout)
+                n += 1
+        b = self.layout.block_tokens
+        layers = tuple((k[:, :, :n * b], v[:, :, :n * b]) for k, v in layers_of(out)) if n < len(held.blocks) \
+            else tuple(layers_of(out))
+        return LoadedPrefix(num_tokens=n * b, layers=layers, blocks_hot=min(held.hot, n),
+                            blocks_warm=n - min(held.hot, n), transports=dict(held.transports))
+
+    def load_blocks(self, keys: Sequence[bytes]) -> list:
+        """Each block of ``keys`` as a ``block_shape`` tensor on the cache's
+        device, or ``None`` where it is missing or fails validation."""
+        with self._held(list(keys), prefix_only=False) as held:
+            out: list = []
+            for block in held.blocks:
+                if isinstance(block, _Staged):
+                    target = self._empty_block()
+                    out.append(target if self._decode(block.data, target) else None)
+                else:
+                    out.append(None if block is None else block.clone())
+            return out
+
+    def prefetch(self, tokens, max_tokens: int | None = None) -> Future:
+        """Start :meth:`load` now; the future's result is its LoadedPrefix."""
+        return self._executor.submit(self.load, tokens, max_tokens)
+
+    @contextmanager
+    def _held(self, keys: list[bytes], prefix_only: bool) -> Iterator["_Held"]:
+        """Blocks of ``keys`` held in the hot pool (or staged) for the body."""
+        with self._counters_lock:
+            self._requested += len(keys)
+        started = time.perf_counter()
+        with ExitStack() as stack:
+            lease = stack.enter_context(self._hot.lease(keys, prefix_only=prefix_only))
+            hot_hits = lease.hits
+            self._stats["hot"].record(hits=hot_hits, misses=len(keys) - hot_hits,
+                                      bytes_read=hot_hits * self.layout.block_raw_bytes,
+                                      latency_s=time.perf_counter() - started)
+            blocks: list = [lease.block(i) for i in range(len(keys))]
+            if prefix_only:
+                wanted = list(range(hot_hits, len(keys)))
+            else:
+                wanted = [i for i, blk in enumerate(blocks) if blk is None]
+            transports: dict[str, int] = {}
+            if wanted:
+                fetched = self._fetch_warm([keys[i] for i in wanted], prefix_only, transports)
+                for i, block in zip(wanted, fetched):
+                    blocks[i] = self._place(stack, keys[i], block) if block is not None else None
+                    if blocks[i] is None and prefix_only:
+                        break
+            if prefix_only:
+                cut = next((i for i, blk in enumerate(blocks) if blk is None), len(blocks))
+                blocks = blocks[:cut]
+            yield _Held(blocks=blocks, hot=hot_hits, transports=transports)
+
+    def _place(self, stack: ExitStack, key: bytes, block) -> object | None:
+        """Decode a verified block into a pool slot (kept held by ``stack``);
+        when the pool has no slot to give, leave it encoded (:class:`_Staged`)
+        for the consumer to decode straight where it is needed."""
+        got = self._hot.reserve(key)
+        if got is None:
+            return _Staged(block)
+        slot, fresh = got
+        target = self._hot.storage[slot]
+        if fresh:
+            if not self._decode(block, target):
+                self._hot.abort(key)
+                return None
+            self._hot.commit(key)
+        stack.callback(self._hot.release, [key])
+        return target
+
+    def _empty_block(self):
+        import torch
+
+        return torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout), device=self.device)
+
+    def _decode(self, block, out) -> bool:
+        """Decode a block's payload into ``out``; False (a miss) for a payload
+        the codec rejects - wrong KV never reaches the engine."""
+        try:
+            self.codec.decode(payload_of(block), out)
+        except ValueError:
+            return False
+        return True
+
+    def _fetch_warm(self, keys: list[bytes], prefix_only: bool, transports: dict[str, int]) -> list:
+        """Verified blocks (header + payload) from the daemons, None per miss;
+        ``transports`` gets the blocks delivered per transport."""
+        started = time.perf_counter()
+        results: list = [None] * len(keys)
+        via: list[str | None] = [None] * len(keys)
+        fallbacks = 0
+        for daemon, idx in self._by_owner(keys).items():
+            got, names, fell = self._fetch_from(daemon, [keys[i] for i in idx], prefix_only)
+            fallbacks += fell
+            for i, block, name in zip(idx, got, names):
+                results[i], via[i] = block, name
+        if prefix_only:
+            cut = next((i for i, blk in enumerate(results) if blk is None), len(results))
+            results[cut:] = [None] * (len(results) - cut)
+            via[cut:] = [None] * (len(via) - cut)
+        for name in via:
+            if name is not None:
+                transports[name] = transports.get(name, 0) + 1
+        hits = sum(transports.values())
+        nbytes = sum(len(r) for r in results if r is not None)
+        rec = self._stats["warm"]
+        rec.record(misses=len(keys) - hits, bytes_read=nbytes, latency_s=time.perf_counter() - started,
+                   fallbacks=fallbacks)
+        for name, count in transports.items():
+            rec.record(hits=count, transport=name)
+        return results
+
+    def _fetch_from(self, daemon: _Daemon, keys: list[bytes], prefix_only: bool):
+        """(blocks, transport name per block, fallbacks) from one daemon."""
+        blocks: list = [None] * len(keys)
+        via: list[str | None] = [None] * len(keys)
+        tcp_idx = list(range(len(keys)))
+        fallbacks = 0
+        if daemon.reader is not None:
+            present, found = daemon.client.lookup_locations(keys)
+            locations = list(found) + [None] * (len(keys) - len(found))
+            span = present if prefix_only else len(keys)
+            direct_idx = [i for i in range(span) if locations[i] is not None and locations[i].sealed]
+            if direct_idx:
+                got = daemon.reader.read_many(
+                    [keys[i] for i in direct_idx],
+                    [DirectLocation(locations[i].logical_offset, locations[i].length, locations[i].seq)
+                     for i in direct_idx])
+                for i, block in zip(direct_idx, got):
+                    if block is not None and self._header_ok(block, keys[i]):
+                        blocks[i], via[i] = block, "direct"
+                    else:
+                        fallbacks += 1
+            # unsealed blocks and direct-read failures go to TCP
+            tcp_idx = [i for i in range(span) if blocks[i] is None and locations[i] is not None]
+        if tcp_idx:
+            got = self._get_many(daemon, [keys[i] for i in tcp_idx])
+            for i, block in zip(tcp_idx, got):
+                if block is not None and self._header_ok(block, keys[i]):
+                    blocks[i], via[i] = block, "tcp"
+        return blocks, via, fallbacks
+
+    def _encode(self, block, seq_tokens: int | None) -> bytes:
+        """The codec payload; ``mixed`` also gets the sequence length its
+        per-layer policy depends on (long sequences keep chosen layers raw)."""
+        if seq_tokens is not None and isinstance(self.codec, MixedCodec):
+            return self.codec.encode(block, seq_tokens=seq_tokens)
+        return self.codec.encode(block)
+
+    def _get_many(self, daemon: _Daemon, keys: list[bytes]) -> list:
+        """GET over TCP, split into up to ``_streams`` contiguous batches that
+        run in parallel on the client's connection pool (the daemon reads
+        them from its devices concurrently)."""
+        streams = min(self._streams, len(keys) // FETCH_STREAM_BLOCKS_MIN)
+        if streams <= 1:
+            return daemon.client.get_many(keys)
+        bounds = [len(keys) * i // streams for i in range(streams + 1)]
+        futures = [self._io.submit(daemon.client.get_many, keys[a:b]) for a, b in zip(bounds, bounds[1:])]
+        out: list = []
+        for fut in futures:
+            out.extend(fut.result())
+        return out
+
+    def _header_ok(self, block, key: bytes) -> bool:
+        """The block is this namespace's, this key's, and in this codec (the
+        CRCs were checked by whoever read it)."""
+        try:
+            head = decode_header(block)
+        except BlockFormatError:
+            return False
+        return head.key == key and head.ns_id == self.namespace.id and head.codec_id == self.codec.codec_id
+
+    # --- store ---------------------------------------------------------------
+    def store(self, tokens, kv, durable: bool = False) -> int:
+        """Store the full blocks of ``tokens`` that ``kv`` (per-layer (k, v),
+        ``[1, kv_heads, T, head_dim]``) covers and the daemon does not hold
+        yet; keep them hot. Returns the number of blocks written."""
+        token_list = _as_token_list(tokens)
+        kv_tokens = check_kv(kv, self.layout)
+        if kv_tokens > len(token_list):
+            raise ValueError(f"kv covers {kv_tokens} tokens but only {len(token_list)} tokens were given")
+        keys = self.keys_for(token_list[:kv_tokens])
+        known = self._lookup_warm(keys)
+        new = keys[known:]
+        if not new:
+            return 0
+        blocks = blocks_from_kv(kv, self.layout, known, len(new))
+        return self._put(new, [blocks[i] for i in range(len(new))], durable, seq_tokens=kv_tokens)
+
+    def store_blocks(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> int:
+        """Store each ``block_shape`` block (tensor or ndarray) under its key."""
+        keys = list(keys)
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        for i, block in enumerate(blocks):
+            if tuple(block.shape) != self.layout.block_shape:
+                raise ValueError(f"block {i} has shape {tuple(block.shape)}, expected {self.layout.block_shape}")
+        return self._put(keys, list(blocks), durable) if keys else 0
+
+    def _put(self, keys: list[bytes], blocks: list, durable: bool, seq_tokens: int | None = None) -> int:
+        import torch
+
+        ns_id, cid = self.namespace.id, self.codec.codec_id
+        encoded = [encode_block(key, ns_id, cid, self._encode(block, seq_tokens)) for key, block in zip(keys, blocks)]
+        for daemon, idx in self._by_owner(keys).items():
+            daemon.client.put_many([(keys[i], encoded[i]) for i in idx], durable=durable)
+        # tier latencies describe reads (what TTFT waits for); writes count bytes only
+        self._stats["warm"].record(bytes_written=sum(len(e) for e in encoded))
+        for key, block in zip(keys, blocks):
+            tensor = block if isinstance(block, torch.Tensor) else torch.from_numpy(block)
+            if tensor.dtype == torch_dtype(self.layout):
+                self._hot.put(key, tensor)
+        with self._counters_lock:
+            self._stored += len(keys)
+        return len(keys)
+
+    def flush(self) -> None:
+        """Ask every daemon to write out and seal its open region: stored
+        blocks become durable and readable by direct device reads."""
+        for daemon in self._daemons:
+            daemon.client.flush()
+
+    # --- routing -------------------------------------------------------------
+    def _by_owner(self, keys: Sequence[bytes]) -> dict[_Daemon, list[int]]:
+        """``{daemon: [indices of keys it owns]}`` by rendezvous hashing."""
+        if len(self._daemons) == 1:
+            return {self._daemons[0]: list(range(len(keys)))}
+        groups: dict[_Daemon, list[int]] = {}
+        for i, key in enumerate(keys):
+            owner = max(self._daemons, key=lambda d: hashlib.blake2b(
+                key + d.address.encode(), digest_size=8, person=_RENDEZVOUS_PERSON).digest())
+            groups.setdefault(owner, []).append(i)
+        return groups
+
+    # --- statistics and lifecycle -------------------------------------------
+    def statistics(self) -> CacheStatistics:
+        pool = self._hot.statistics()
+        with self._counters_lock:
+            requested, stored = self._requested, self._stored
+        return CacheStatistics(hot=self._stats["hot"].snapshot(), warm=self._stats["warm"].snapshot(),
+                               cold=self._stats["cold"].snapshot(), hot_blocks_resident=pool.resident_blocks,
+                               hot_blocks_referenced=pool.referenced_blocks,
+                               hot_capacity_blocks=pool.capacity_blocks, hot_evictions=pool.evictions,
+                               blocks_requested=requested, blocks_stored=stored)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        for daemon in self._daemons:
+            if daemon.reader is not None:
+                daemon.reader.close()
+            daemon.client.close()
+        self._daemons = []
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- async twins (the blocking work runs on the cache's worker threads) ---
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def alookup(self, tokens) -> int:
+        return await self._run(self.lookup, tokens)
+
+    async def alookup_keys(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self.lookup_keys, keys)
+
+    async def aload(self, tokens, max_tokens: int | None = None) -> LoadedPrefix:
+        return await self._run(self.load, tokens, max_tokens)
+
+    async def aload_blocks(self, keys: Sequence[bytes]) -> list:
+        return await self._run(self.load_blocks, keys)
+
+    async def astore(self, tokens, kv, durable: bool = False) -> int:
+        return await self._run(self.store, tokens, kv, durable)
+
+    async def astore_blocks(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> int:
+        return await self._run(self.store_blocks, keys, blocks, durable)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A verified block not placed in the hot pool (no free slot): decoded by
+    whoever consumes it, straight into its destination."""
+
+    data: object
+
+
+@dataclass(frozen=True)
+class _Held:
+    blocks: list
+    hot: int
+    transports: Mapping[str, int]
+
+
+def _as_token_list(tokens) -> list[int]:
+    """Token ids as a Python list (accepts lists, NumPy arrays, 1-D or
+    ``[1, T]`` torch tensors)."""
+    if hasattr(tokens, "detach"):
+        tokens = tokens.detach().cpu()
+        if tokens.dim() == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D or [1, T], got shape {tuple(tokens.shape)}")
+        return tokens.tolist()
+    return list(tokens)
