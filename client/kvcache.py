@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +46,8 @@ from .direct_reader import DirectLocation, DirectReader
 from .hot_pool import HotPool
 from .keys import Namespace
 from .tier_stats import CacheStatistics, TierRecorder
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HOT_POOL_BYTES = 256 * 1024 * 1024  # a modest default; engines size it from free HBM
 WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at a time
@@ -248,7 +251,12 @@ class KVCache:
         slot, fresh = got
         target = self._hot.storage[slot]
         if fresh:
-            if not self._decode(block, target):
+            try:
+                decoded = self._decode(block, target)
+            except BaseException:
+                self._hot.abort(key)  # never leave a reservation that nobody will fill
+                raise
+            if not decoded:
                 self._hot.abort(key)
                 return None
             self._hot.commit(key)
@@ -309,10 +317,16 @@ class KVCache:
             span = present if prefix_only else len(keys)
             direct_idx = [i for i in range(span) if locations[i] is not None and locations[i].sealed]
             if direct_idx:
-                got = daemon.reader.read_many(
-                    [keys[i] for i in direct_idx],
-                    [DirectLocation(locations[i].logical_offset, locations[i].length, locations[i].seq)
-                     for i in direct_idx])
+                try:
+                    got = daemon.reader.read_many(
+                        [keys[i] for i in direct_idx],
+                        [DirectLocation(locations[i].logical_offset, locations[i].length, locations[i].seq)
+                         for i in direct_idx])
+                except (OSError, ValueError) as exc:
+                    # an unreadable device or a location outside the geometry we hold (the
+                    # daemon was re-formatted): every block goes to TCP instead
+                    log.warning("event=direct_read_failed daemon=%s error=%s", daemon.address, exc)
+                    got = [None] * len(direct_idx)
                 for i, block in zip(direct_idx, got):
                     if block is not None and self._header_ok(block, keys[i]):
                         blocks[i], via[i] = block, "direct"

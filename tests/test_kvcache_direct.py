@@ -152,3 +152,27 @@ def test_recycled_region_is_detected_and_tcp_serves_the_block(tmp_path):
             assert cache._daemons[0].reader.statistics().validation_failures == 3
     finally:
         assert small.stop() == 0, small.log_tail()
+
+
+def test_a_failing_direct_read_falls_back_to_tcp(daemon, tmp_path):
+    """Device paths that end where the data begins (a detached or shrunken
+    namespace): every direct read fails with an I/O error, and the blocks come
+    by TCP instead - the load neither fails nor hands over anything unverified."""
+    ns = Namespace("direct-failing", LAYOUT)
+    tokens = list(range(900, 900 + 16 * 6))
+    kv = make_kv(len(tokens), seed=7)
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0) as plain:
+        assert plain.store(tokens, kv) == 6
+        plain.flush()
+        data_offset = plain._daemons[0].client.geometry().data_offset_bytes
+    stubs = {}
+    for dev, path in device_map_of(daemon).items():
+        stub = tmp_path / f"{dev}.img"
+        with open(path, "rb") as src, open(stub, "wb") as dst:
+            dst.write(src.read(data_offset))
+        stubs[dev] = str(stub)
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0, device_map=stubs, transport="direct") as cache:
+        got = cache.load(tokens)
+        assert got.num_tokens == len(tokens) and got.transports == {"tcp": 6}
+        assert same_prefix(got.layers, kv, len(tokens))
+        assert cache.statistics().warm.fallbacks == 6
