@@ -1,0 +1,79 @@
+"""Connections to a job's targets: one client per daemon (see
+:mod:`.ioengines`), checked with a PING before the clock starts, and an
+optional direct reader."""
+from __future__ import annotations
+
+import asyncio
+
+from .ioengines import make_client
+from .result import ConnectError
+from .targets import Targets
+
+CONNECT_TIMEOUT_S = 10.0  # a daemon that does not answer a PING in this long is unreachable
+REQUEST_TIMEOUT_S = 60.0  # one request (a batch of blocks) over loopback or a LAN
+POOL_SIZE_MAX = 16  # connections per daemon per clone; pipelining covers deeper queues
+
+
+class Connections:
+    """Async context manager over a job's targets."""
+
+    def __init__(self, targets: Targets, token: str | None, iodepth: int, ioengine: str = "sync"):
+        self.targets = targets
+        self.ioengine = ioengine
+        self.iodepth = iodepth
+        self.token = token
+        self.pool_size = max(1, min(iodepth, POOL_SIZE_MAX))
+        self.clients: list = []
+        self.direct = None  # a kvtier.client.direct_reader.DirectReader when target=direct:
+
+    async def __aenter__(self) -> "Connections":
+        where = "?"
+        try:
+            for t in self.targets.tcp:
+                where = t.addr
+                client = make_client(self.ioengine, t.addr, self.token, self.pool_size, REQUEST_TIMEOUT_S,
+                                     self.iodepth)
+                self.clients.append(client)
+                await asyncio.wait_for(client.ping(), CONNECT_TIMEOUT_S)
+        except BaseException as e:
+            await self.close()
+            if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)):
+                raise
+            raise ConnectError(f"cannot use target tcp://{where}: {_describe(e)}") from e
+        if self.targets.direct is not None:
+            await self._open_direct()
+        return self
+
+    async def _open_direct(self) -> None:
+        from kvtier.client.direct_reader import DirectReader
+
+        geometry = await self.clients[0].geometry()
+        mapping = self.targets.direct.for_devices(tuple(geometry.device_ids))
+        try:
+            self.direct = DirectReader(geometry, mapping)
+        except (OSError, ValueError) as e:
+            raise ConnectError(f"direct reads: {e}") from e
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+            self.direct = None
+        clients, self.clients = self.clients, []
+        for c in clients:
+            await c.close()
+
+    def for_index(self, index: int):
+        return self.clients[index % len(self.clients)]
+
+    def for_key(self, key: bytes):
+        return self.clients[int.from_bytes(key[:8], "little") % len(self.clients)]
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return f"no answer to PING within {CONNECT_TIMEOUT_S:.0f} s"
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text

@@ -1,0 +1,105 @@
+"""The prefix workload: what a prefix cache saves on a chat/RAG trace.
+
+For each prompt (synthetic or replayed, see :mod:`.trace`), as an engine
+would::
+
+    keys = chained block keys of the prompt        (kvtier.client.keys)
+    n    = LOOKUP(keys)                            -> the lookup section
+    GET keys[:n], verify                           -> the read section (hits)
+    PUT keys[n:]                                   -> the write section (what was recomputed)
+
+``iodepth`` prompts are in flight per clone. The report's ``prefix``
+section gives the block hit ratio, the KV bytes and tokens that did not have
+to be recomputed, and the per-prompt latency of that lookup/get/put cycle.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from kvtier.client.keys import chain_keys
+
+from .blockio import make_blocks, read_blocks, write_blocks
+from .blockjob import Clock, Progress
+from .connect import Connections
+from .content import BlockMaker, keyspace_ns_id
+from .options import JobOptions
+from .result import CloneLog, CloneResult
+from .targets import Targets
+from .trace import SyntheticTrace, replay
+
+REQUEST_BYTES_MAX = 64 << 20  # one GET/PUT batch; a long prompt's blocks go in several
+
+
+class PrefixClone:
+    def __init__(self, job: JobOptions, clone: int, clones: int, conns: Connections, progress: Progress):
+        self.job = job
+        self.conns = conns
+        self.progress = progress
+        self.log = CloneLog()
+        self.ns_id = keyspace_ns_id(job.keyspace)
+        self.maker = BlockMaker(job.keyspace, job.codec, job.bs, True)  # content always follows the key
+        prompts = replay(job.trace, clone, clones) if job.trace else SyntheticTrace(job, clone).prompts()
+        limit = None if (job.time_based or job.trace) else job.prefix_requests
+        self.prompts = itertools.islice(prompts, limit)
+        self.step = max(1, REQUEST_BYTES_MAX // job.bs)
+
+    def _record(self, direction: str, clock: Clock, t0: int, nbytes: int) -> None:
+        t1 = time.perf_counter_ns()
+        if t1 >= clock.ramp_end_ns:
+            getattr(self.log, direction).add(t1 - clock.ramp_end_ns, t1 - t0, nbytes)
+
+    async def one(self, tokens, clock: Clock) -> None:
+        keys = chain_keys(self.ns_id, tokens, self.job.block_tokens)
+        if not keys:
+            return
+        client = self.conns.for_key(keys[0])
+        start = t0 = time.perf_counter_ns()
+        present = await client.lookup(keys)
+        self._record("lookup", clock, t0, len(keys) * 16)
+        hits = 0
+        for s in range(0, present, self.step):
+            t0 = time.perf_counter_ns()
+            ok = await read_blocks(self.conns, client, keys[s:min(present, s + self.step)], self.job.bs,
+                                   self.job.verify, self.log)
+            good = next((i for i, g in enumerate(ok) if not g), len(ok))
+            hits += good
+            self._record("read", clock, t0, good * self.job.bs)
+            if good < len(ok):
+                break  # the prefix ends at the first block that did not come back good
+        missing = keys[hits:]
+        for s in range(0, len(missing), self.step):
+            chunk = missing[s:s + self.step]
+            blocks = make_blocks(self.maker, chunk)
+            t0 = time.perf_counter_ns()
+            await write_blocks(client, chunk, blocks, self.job.durable)
+            self._record("write", clock, t0, len(chunk) * self.job.bs)
+        end = time.perf_counter_ns()
+        if end >= clock.ramp_end_ns:
+            self.log.requests += 1
+            self.log.blocks += len(keys)
+            self.log.hit_blocks += hits
+            self.log.request_lat_ns.append(end - start)
+        self.progress.add(1)
+
+    async def run(self, clock: Clock) -> None:
+        async def worker() -> None:
+            for tokens in self.prompts:  # shared iterator: each prompt is sent once
+                await self.one(tokens, clock)
+                if clock.expired():
+                    return
+
+        await asyncio.gather(*(worker() for _ in range(self.job.iodepth)))
+
+
+async def run_prefix_clone(job: JobOptions, clone: int, clones: int, targets: Targets, token: str | None,
+                           progress: Progress, start_together=None) -> CloneResult:
+    async with Connections(targets, token, job.iodepth, job.ioengine) as conns:
+        pc = PrefixClone(job, clone, clones, conns, progress)
+        if start_together is not None:
+            start_together()  # every clone connected: start the clocks together
+        clock = Clock(job)
+        await pc.run(clock)
+        end_ns = time.perf_counter_ns()
+    return pc.log.finish(max(0, end_ns - clock.ramp_end_ns))

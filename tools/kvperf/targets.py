@@ -1,0 +1,110 @@
+"""Where a job sends its requests.
+
+- ``tcp://HOST:PORT``: one daemon; several, comma-separated, spread the
+  blocks over them (block ``i`` goes to target ``i mod n``; a prefix chain
+  goes whole to the target its first key picks, so shared prefixes meet).
+- ``direct:MAP@tcp://HOST:PORT``: reads go straight to the daemon's devices
+  (the NVMe-oF path) after a LOOKUP for their locations; writes and lookups go
+  over TCP. MAP is ``ID=PATH,ID=PATH`` (daemon device id to local path), or
+  just ``PATH,PATH`` in the daemon's device order.
+- ``token_file``: the daemon's shared token, read once and never printed.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .units import UsageError
+
+TARGETS_MAX = 64  # daemons one job spreads over
+TOKEN_FILE_BYTES_MAX = 4096  # a token is a line of text
+_HOSTPORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})$")
+
+
+@dataclass(frozen=True)
+class TcpTarget:
+    host: str
+    port: int
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class DirectMap:
+    """Device map for direct reads: by id, or positional (ids None)."""
+
+    ids: tuple[str, ...] | None
+    paths: tuple[str, ...]
+
+    def for_devices(self, device_ids: tuple[str, ...]) -> dict[str, str]:
+        if self.ids is None:
+            if len(self.paths) != len(device_ids):
+                raise UsageError(f"direct: {len(self.paths)} device paths given but the daemon has "
+                                 f"{len(device_ids)} devices ({', '.join(device_ids)})")
+            return dict(zip(device_ids, self.paths))
+        mapping = dict(zip(self.ids, self.paths))
+        missing = [d for d in device_ids if d not in mapping]
+        if missing:
+            raise UsageError(f"direct: no path for daemon device(s) {', '.join(missing)}")
+        return mapping
+
+
+@dataclass(frozen=True)
+class Targets:
+    tcp: tuple[TcpTarget, ...]
+    direct: DirectMap | None = None
+
+
+def _tcp(text: str) -> TcpTarget:
+    body = text[len("tcp://"):] if text.startswith("tcp://") else None
+    if body is None:
+        raise UsageError(f"target {text!r}: expected tcp://HOST:PORT or direct:MAP@tcp://HOST:PORT")
+    m = _HOSTPORT_RE.match(body)
+    if not m:
+        raise UsageError(f"target {text!r}: expected tcp://HOST:PORT")
+    port = int(m.group(2))
+    if not 0 < port < 65536:
+        raise UsageError(f"target {text!r}: port {port} is out of range")
+    return TcpTarget(m.group(1).strip("[]"), port)
+
+
+def parse_targets(text: str) -> Targets:
+    text = text.strip()
+    if text.startswith("direct:"):
+        spec, sep, tcp = text[len("direct:"):].rpartition("@")
+        if not sep or not spec:
+            raise UsageError(f"target {text!r}: direct needs a device map and the daemon's address, "
+                             "as direct:ID=PATH[,ID=PATH...]@tcp://HOST:PORT")
+        items = [i.strip() for i in spec.split(",") if i.strip()]
+        if all("=" in i for i in items):
+            ids, paths = zip(*(i.split("=", 1) for i in items))
+            dmap = DirectMap(tuple(ids), tuple(paths))
+        elif any("=" in i for i in items):
+            raise UsageError(f"target {text!r}: give every device as ID=PATH, or only paths in device order")
+        else:
+            dmap = DirectMap(None, tuple(items))
+        return Targets((_tcp(tcp.strip()),), dmap)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise UsageError("target is empty")
+    if len(parts) > TARGETS_MAX:
+        raise UsageError(f"{len(parts)} targets is over the limit {TARGETS_MAX}")
+    return Targets(tuple(_tcp(p) for p in parts))
+
+
+def read_token(path: str) -> str | None:
+    """The token in ``path`` (stripped), None for no path."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read(TOKEN_FILE_BYTES_MAX + 1).strip()
+    except OSError as e:
+        raise UsageError(f"token_file {path}: {e.strerror}") from None
+    if not token:
+        raise UsageError(f"token_file {path} is empty")
+    if len(token) > TOKEN_FILE_BYTES_MAX:
+        raise UsageError(f"token_file {path} is over {TOKEN_FILE_BYTES_MAX} bytes")
+    return token

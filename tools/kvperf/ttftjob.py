@@ -1,0 +1,245 @@
+"""The ttft workload: time to first token with and without kvtier, on a real model.
+
+For each prompt (``prompt_tokens`` long, of which the first ``cached_tokens``
+-- rounded down to whole blocks -- were stored beforehand), three modes::
+
+    recompute  model(prompt)                                     full prefill
+    inmemory   model(suffix, cache=DynamicCache(prefix KV))      the ideal: KV already in memory
+    kvtier     lookup + load prefix from the daemon + model(suffix)   (kvtier.client.engines.transformers)
+
+Each concurrency level (``concurrency=1,8,16``) runs ``max(ttft_prompts,
+level)`` prompts per mode with ``level`` of them in flight (threads), and
+reports mean/p99 TTFT and prompts/s. Prompts differ from each other and the
+hot pool is off, so every kvtier load comes from the daemon. The model is
+the small random-weight Llama built here (no download; ``model=random-llama``,
+the default, or ``model=random-llama-tiny`` for smoke tests) unless ``model=``
+names a local checkpoint directory. With ``verify``, the kvtier logits must equal the
+in-memory ones exactly (raw codec) and every stored block must load.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .options import JobOptions
+from .result import ConnectError
+from .stats import ms_stats
+from .targets import Targets
+from .units import UsageError
+
+# the built-in model: a Llama small enough for a CPU, big enough that prefill costs real time
+RANDOM_LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192)
+RANDOM_LLAMA_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+BUILTIN_MODELS = {"": RANDOM_LLAMA, "random-llama": RANDOM_LLAMA, "random-llama-tiny": RANDOM_LLAMA_TINY}
+RANDOM_LLAMA_SEED = 0
+WARMUP_PROMPTS = 1  # untimed runs of each mode first: torch's first call allocates and picks kernels
+MODES = ("recompute", "inmemory", "kvtier")
+
+
+def build_model(job: JobOptions):
+    """(model, model id) — the built-in random Llama, or a local checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if job.model not in BUILTIN_MODELS:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(job.model, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"model={job.model}: cannot load a local model: {e}") from None
+        return model.eval(), f"local:{job.model}"
+    config = BUILTIN_MODELS[job.model]
+    torch.manual_seed(RANDOM_LLAMA_SEED)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    name = job.model or "random-llama"
+    fingerprint = hashlib.blake2b(repr(sorted(config.items())).encode(), digest_size=6).hexdigest()
+    return model, f"kvperf/{name}@seed{RANDOM_LLAMA_SEED}-{fingerprint}"
+
+
+class TtftBench:
+    def __init__(self, job: JobOptions, targets: Targets, token: str | None, progress):
+        import torch
+
+        self.torch = torch
+        self.job = job
+        self.progress = progress
+        self.device = job.ttft_device
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError(f"ttft_device={self.device}: torch sees no CUDA device here")
+        model, self.model_id = build_model(job)
+        self.model = model.to(self.device)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
+        self.vocab = int(self.model.config.get_text_config(decoder=True).vocab_size)
+        self.prefix_tokens = (job.cached_tokens // job.block_tokens) * job.block_tokens
+        self.cache = self._open_cache(targets, token)
+        self.prompts = self._prompts(max([job.ttft_prompts, *job.concurrency]))
+        self.prefix_kv: list = []
+        self.verify_errors = 0
+        self.verify_messages: list[str] = []
+        self.logits_diff_max = 0.0
+
+    def _open_cache(self, targets: Targets, token: str | None):
+        from kvtier.client import BlockClient, ClientError
+        from kvtier.client.engines.transformers import namespace_for
+        from kvtier.client.kvcache import KVCache
+
+        codec = "raw" if self.job.codec == "opaque" else self.job.codec
+        ns = namespace_for(self.model, self.model_id, self.job.block_tokens, codec=codec,
+                           tenant_salt=f"kvperf:{self.job.keyspace}:{self.job.seed}")
+        addrs = [t.addr for t in targets.tcp]
+        device_map, transport = None, "tcp"
+        try:
+            if targets.direct is not None:
+                with BlockClient(addrs[0], token=token) as c:
+                    device_map = targets.direct.for_devices(tuple(c.geometry().device_ids))
+                transport = "direct"
+            return KVCache(ns, addrs, token=token, hot_pool_bytes=0, device=self.device, device_map=device_map,
+                           transport=transport)
+        except (OSError, ClientError) as e:  # the client's errors name the problem
+            raise ConnectError(f"cannot use target {self.job.target}: {type(e).__name__}: {e}") from e
+
+    def _prompts(self, count: int) -> list:
+        rng = np.random.default_rng([self.job.seed, 0x77])
+        return [self.torch.from_numpy(rng.integers(0, self.vocab, (1, self.job.prompt_tokens)).astype(np.int64))
+                .to(self.device) for _ in range(count)]
+
+    def setup(self) -> None:
+        """Store every prompt's prefix in kvtier; keep its KV in memory for the ideal mode."""
+        from kvtier.client.engines.transformers import layers_of_cache
+
+        torch = self.torch
+        for ids in self.prompts:
+            prefix = ids[:, :self.prefix_tokens]
+            with torch.inference_mode():
+                out = self.model(prefix, use_cache=True, logits_to_keep=1)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            layers = [(k.clone(), v.clone()) for k, v in layers_of_cache(cache)]
+            self.cache.store(prefix[0].tolist(), layers, durable=self.job.durable)
+            self.prefix_kv.append(layers)
+
+    def _one(self, mode: str, i: int) -> float:
+        """TTFT of prompt ``i`` in ``mode``, in ms (what is outside the timer: only test bookkeeping)."""
+        from kvtier.client.engines.transformers import cache_from_layers, prefill
+
+        torch = self.torch
+        ids = self.prompts[i]
+        if mode == "recompute":
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model(ids, use_cache=True, logits_to_keep=1)
+            self._sync(out.logits)
+            return (time.perf_counter() - t0) * 1e3
+        if mode == "inmemory":
+            cache = cache_from_layers([(k.clone(), v.clone()) for k, v in self.prefix_kv[i]])
+            self._sync(None)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model(ids[:, self.prefix_tokens:], use_cache=True, logits_to_keep=1,
+                                 **{self._cache_arg: cache})
+            self._sync(out.logits)
+            elapsed = (time.perf_counter() - t0) * 1e3
+            self._ideal_logits[i] = out.logits[:, -1]
+            return elapsed
+        t0 = time.perf_counter()
+        result = prefill(self.model, ids, self.cache, store=False)
+        self._sync(result.logits)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        self._check(i, result)
+        return elapsed
+
+    def _sync(self, _tensor) -> None:
+        """On a GPU, the first token exists when its kernels finished, not when they were queued."""
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize()
+
+    def _check(self, i: int, result) -> None:
+        if result.loaded_tokens != self.prefix_tokens:
+            self._verify_error(f"prompt {i}: loaded {result.loaded_tokens} of the {self.prefix_tokens} "
+                               "stored tokens (a miss of blocks this run stored)")
+        ideal = self._ideal_logits.get(i)
+        if ideal is None:
+            return
+        diff = float((result.logits - ideal).abs().max())
+        self.logits_diff_max = max(self.logits_diff_max, diff)
+        if self.job.verify and self.cache.namespace.codec == "raw" and diff != 0.0:
+            self._verify_error(f"prompt {i}: kvtier logits differ from the in-memory ones by {diff:g}")
+
+    def _verify_error(self, message: str) -> None:
+        self.verify_errors += 1
+        if len(self.verify_messages) < 10:
+            self.verify_messages.append(message)
+
+    def level(self, concurrency: int) -> dict:
+        count = max(self.job.ttft_prompts, concurrency)
+        out: dict = {"concurrency": concurrency, "prompts": count}
+        samples: dict = {}
+        for mode in MODES:
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                t0 = time.perf_counter()
+                ttfts = list(pool.map(lambda i, m=mode: self._one(m, i), range(count)))
+                wall_s = time.perf_counter() - t0
+            self.progress(count)
+            samples[mode] = ttfts
+            out[mode] = {"ttft_ms_mean": float(np.mean(ttfts)),
+                         "ttft_ms_p99": float(np.percentile(ttfts, 99, method="inverted_cdf")),
+                         "prompts_per_s": count / wall_s}
+        out["throughput_gain"] = out["kvtier"]["prompts_per_s"] / out["recompute"]["prompts_per_s"] - 1.0
+        out["ttft_reduction"] = 1.0 - out["kvtier"]["ttft_ms_mean"] / out["recompute"]["ttft_ms_mean"]
+        return out, samples
+
+    def run(self) -> dict:
+        self._ideal_logits: dict = {}
+        self.setup()
+        for mode in MODES:  # warm-up, untimed
+            for i in range(WARMUP_PROMPTS):
+                self._one(mode, i)
+        levels, all_samples = [], {m: [] for m in MODES}
+        for c in self.job.concurrency:
+            lv, samples = self.level(c)
+            levels.append(lv)
+            for m in MODES:
+                all_samples[m] += samples[m]
+        stats = {f"{m}_ms": ms_stats(all_samples[m]) for m in MODES}
+        rec, mem, kv = (stats[f"{m}_ms"]["mean"] for m in MODES)
+        warm = self.cache.statistics().as_dict().get("warm", {})
+        return {
+            "model": self.model_id,
+            "prompt_tokens": self.job.prompt_tokens,
+            "cached_tokens": self.prefix_tokens,
+            "codec": self.cache.namespace.codec,
+            **stats,
+            "reduction": 1.0 - kv / rec if rec else 0.0,
+            "overhead_vs_inmemory": kv / mem - 1.0 if mem else 0.0,
+            "by_concurrency": levels,
+            "logits_max_abs_diff": self.logits_diff_max,
+            "warm_tier": warm,
+        }
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def run_ttft(job: JobOptions, targets: Targets, token: str | None, progress) -> tuple[dict, int, list[str], int]:
+    """(ttft report, verify errors, their first messages, runtime in ns)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"rw=ttft needs torch and transformers ({e}); install kvtier[torch]") from None
+    from kvtier.client import ClientError
+
+    t0 = time.perf_counter_ns()
+    bench = TtftBench(job, targets, token, progress)
+    try:
+        report = bench.run()
+    except ClientError as e:
+        raise ConnectError(f"the daemon failed the ttft run: {type(e).__name__}: {e}") from e
+    finally:
+        bench.close()
+    return report, bench.verify_errors, bench.verify_messages, time.perf_counter_ns() - t0
