@@ -93,3 +93,15 @@ def test_bad_namespaces_are_rejected():
 def test_layout_sizes():
     assert LAYOUT.block_shape == (4, 2, 2, 16, 8)
     assert LAYOUT.block_raw_bytes == 4 * 2 * 2 * 16 * 8 * 2
+
+
+def test_the_daemon_side_imports_stay_light():
+    """A storage node installs no GPU stack: the daemon's modules and the codec
+    id table must import without torch, numba or the codec kernels."""
+    code = (
+        "import sys, kvtier.daemon.main, kvtier.daemon.server, kvtier.daemon.engine, kvtier.kernels.codec_ids;"
+        "heavy = [m for m in ('torch', 'numba', 'cupy', 'transformers', 'kvtier.kernels.codec') if m in sys.modules];"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"heavy modules imported by the daemon side: {out}"
