@@ -11,6 +11,7 @@ POST     /v1/lookup                   how many leading keys of a chain are prese
 POST     /v1/pin, /v1/unpin           keys, or namespace + tokens
 POST     /v1/evict                    keys, a namespace, or all
 GET      /v1/config                   effective config, secrets redacted
+GET      /v1/devices                  device ids (superblocks) and local paths, stripe order
 GET      /metrics                     Prometheus text exposition (or OpenMetrics)
 =======  ===========================  =================================================
 
@@ -69,6 +70,13 @@ def build_app(view: AdminStateView) -> FastAPI:
     def config() -> dict:
         """The effective configuration (file, then flags), secrets redacted."""
         return view.redacted_config()
+
+    @app.get("/v1/devices", dependencies=auth, tags=["config"])
+    def devices() -> dict:
+        """Each device's id and local path in stripe order, and the stripe geometry:
+        the map a client on this host (or with the same NVMe-oF namespaces) gives
+        KVCache for direct reads."""
+        return view.devices()
 
     @app.get("/metrics", dependencies=auth, tags=["stats"], response_class=Response)
     def metrics(request: Request):

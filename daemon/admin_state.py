@@ -73,5 +73,18 @@ class AdminStateView:
         server = self._state.data_server
         return {} if server is None else _as_dict(server.statistics())
 
+    def devices(self) -> dict:
+        """The stripe set: each device's id (from its superblock) and local path, in
+        stripe order - what a client needs to build a direct-read device map."""
+        geometry = self.engine.geometry
+        paths = self._state.config.engine_config().device_paths
+        return {
+            "stripe_size_bytes": geometry.stripe_size_bytes,
+            "data_offset_bytes": geometry.data_offset_bytes,
+            "device_data_bytes": geometry.device_data_bytes,
+            "devices": [{"index": i, "device_id": dev, "path": path}
+                        for i, (dev, path) in enumerate(zip(geometry.device_ids, paths))],
+        }
+
     def redacted_config(self) -> dict:
         return _as_dict(self._state.config.redacted())

@@ -253,3 +253,25 @@ def test_stats_document_matches_what_happened(http, data):
 def test_stats_names_the_bound_addresses(http, daemon):
     addresses = http.get("/v1/stats").json()["addresses"]
     assert addresses == {"data": daemon.data_addr, "admin": daemon.admin_addr}
+
+
+def test_devices_give_a_working_direct_read_map(http, data):
+    """/v1/devices names each device's superblock id and local path in stripe
+    order: exactly the map the direct reader needs to read sealed blocks."""
+    from kvtier.client.direct_reader import DirectLocation, DirectReader
+
+    doc = http.get("/v1/devices").json()
+    geometry = data.geometry()
+    assert [d["device_id"] for d in doc["devices"]] == list(geometry.device_ids)
+    assert [d["index"] for d in doc["devices"]] == [0, 1, 2, 3]
+    assert (doc["stripe_size_bytes"], doc["data_offset_bytes"], doc["device_data_bytes"]) == (
+        geometry.stripe_size_bytes, geometry.data_offset_bytes, geometry.device_data_bytes)
+    device_map = {d["device_id"]: d["path"] for d in doc["devices"]}
+    key = bytes(range(100, 116))
+    data.put(key, encode_block(key, NS.id, 0, b"read me directly" * 1000))
+    data.flush()
+    present, (loc,) = data.lookup_locations([key])
+    assert present == 1 and loc.sealed
+    with DirectReader(geometry, device_map) as reader:
+        (block,) = reader.read_many([key], [DirectLocation(loc.logical_offset, loc.length, loc.seq)])
+    assert bytes(block) == data.get(key)

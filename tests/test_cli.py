@@ -148,6 +148,15 @@ def test_stats_and_config(kv):
     assert json.loads(out)["token_file"] == "<set>"
 
 
+def test_devices_map(kv, daemon):
+    code, out, _ = kv("--json", "devices", "--map")
+    device_map = json.loads(out)
+    assert code == 0 and len(device_map) == 4
+    assert all(len(dev) == 32 and Path(path).exists() for dev, path in device_map.items())
+    code, out, _ = kv("devices")
+    assert code == 0 and all(dev in out for dev in device_map) and "stripe" in out
+
+
 def test_auth_errors_and_token_sources(kv, daemon, monkeypatch, tmp_path, capsys):
     code, _, err = kv("stats", auth=False)
     assert code == 1 and "HTTP 401" in err and "Authorization" in err

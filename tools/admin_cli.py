@@ -207,6 +207,19 @@ def cmd_config(args) -> int:
     return EXIT_OK
 
 
+def cmd_devices(args) -> int:
+    doc = resolve_admin(args).devices()
+    if args.map:  # {device id: path}, ready for KVCache(device_map=...)
+        doc = {d["device_id"]: d["path"] for d in doc["devices"]}
+        _emit(args, doc, "\n".join(f"{dev} {path}" for dev, path in doc.items()))
+        return EXIT_OK
+    lines = [f"{d['index']}  {d['device_id']}  {d['path']}" for d in doc["devices"]]
+    lines.append(f"stripe {doc['stripe_size_bytes']} B, data offset {doc['data_offset_bytes']} B, "
+                 f"{doc['device_data_bytes']} B of data per device")
+    _emit(args, doc, "\n".join(lines))
+    return EXIT_OK
+
+
 def cmd_info(args) -> int:
     key = parse_key(args.key)
     doc = resolve_admin(args).block_info(key)
@@ -341,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="alive, ready, uptime and headline figures").set_defaults(fn=cmd_status)
     sub.add_parser("stats", help="every statistic").set_defaults(fn=cmd_stats)
     sub.add_parser("config", help="the daemon's effective config").set_defaults(fn=cmd_config)
+    sp = sub.add_parser("devices", help="device ids and paths in stripe order (the direct-read device map)")
+    sp.add_argument("--map", action="store_true", help="only {device id: path}, as KVCache's device_map")
+    sp.set_defaults(fn=cmd_devices)
     sp = sub.add_parser("info", help="where a block lives")
     sp.add_argument("key")
     sp.set_defaults(fn=cmd_info)

@@ -85,6 +85,9 @@ class AdminClient:
     def config(self) -> dict:
         return self.request("GET", "/v1/config")
 
+    def devices(self) -> dict:
+        return self.request("GET", "/v1/devices")
+
     def metrics_text(self) -> str:
         return self.request("GET", "/metrics", expect_json=False).decode()
 
