@@ -8,7 +8,10 @@
    engine has I/O threads per device, 2), then the
    engine: put of N blocks (+ the final flush, so every byte is on flash and
    synced), then get of all of them in batches (``get_many``, each block
-   verified). ``--repeat`` rounds, interleaved; medians of bytes/s and of the
+   verified, returned as bytes), then again with ``get_many_into`` into
+   reused page-aligned huge-page buffers (the zero-copy path: one device read
+   straight into the buffer + one CRC pass). CPU seconds per GiB are the
+   process's user + system time over the phase (all threads). ``--repeat`` rounds, interleaved; medians of bytes/s and of the
    engine/fio ratio are reported (per-round figures are in the JSON).
 2. Index memory: resident-memory growth from 0.1 M to 1.1 M stored blocks,
    divided by 1 M (--quick: 0.02 M -> 0.22 M, divided by 0.2 M).
@@ -36,6 +39,7 @@ import numpy as np
 
 from kvtier.client.blockformat import HEADER_SIZE, encode_header
 from kvtier.daemon.engine import Engine, EngineConfig
+from kvtier.daemon.engine.devices import aligned_buffer
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -69,12 +73,14 @@ def run_fio(files: list[Path], rw: str, size_bytes: int, jobs_per_file: int) -> 
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     job = json.loads(out.stdout)["jobs"][0]
     side = job["write" if rw == "write" else "read"]
-    return {"bw_bytes": side["bw_bytes"], "command": " ".join(cmd)}
+    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1000  # % of the jobs' summed runtime
+    return {"bw_bytes": side["bw_bytes"], "cpu_s_per_gib": cpu_s / (side["io_bytes"] / GiB), "command": " ".join(cmd)}
 
 
-def engine_round(cfg: EngineConfig, n: int, seed: int) -> tuple[float, float, float, float]:
-    """Format, put ``n`` 2 MiB blocks (+ flush), get them all back; returns (put, get) bytes/s and
-    the process CPU seconds per GiB of each (all threads; client-side block building excluded)."""
+def engine_round(cfg: EngineConfig, n: int, seed: int) -> dict:
+    """Format, put ``n`` 2 MiB blocks (+ flush), get them all back (as bytes, then into caller
+    buffers); returns bytes/s and process CPU seconds per GiB of each phase (all threads;
+    client-side block building excluded)."""
     Engine.format(cfg, force=True)
     engine = Engine.open(cfg)
     rng = np.random.default_rng(seed)
@@ -102,11 +108,22 @@ def engine_round(cfg: EngineConfig, n: int, seed: int) -> tuple[float, float, fl
             got_bytes += len(b)
     get_s = time.perf_counter() - t0
     get_cpu_s = time.process_time() - c0
+    bufs = [aligned_buffer(2 * MiB, populate=True, huge=True) for _ in range(GET_BATCH)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    into_bytes = 0
+    for i in range(0, n, GET_BATCH):
+        for size in engine.get_many_into(keys[i:i + GET_BATCH], bufs):
+            assert size == 2 * MiB
+            into_bytes += size
+    into_s = time.perf_counter() - t0
+    into_cpu_s = time.process_time() - c0
     st = engine.statistics()
     engine.close()
     assert st.corrupt_reads == 0 and st.evicted_blocks == 0, st
     gib = n * 2 * MiB / GiB
-    return n * 2 * MiB / put_s, got_bytes / get_s, put_cpu_s / gib, get_cpu_s / gib
+    return {"engine_put_bw_bytes": n * 2 * MiB / put_s, "engine_get_bw_bytes": got_bytes / get_s,
+            "engine_get_into_bw_bytes": into_bytes / into_s, "engine_put_cpu_s_per_gib": put_cpu_s / gib,
+            "engine_get_cpu_s_per_gib": get_cpu_s / gib, "engine_get_into_cpu_s_per_gib": into_cpu_s / gib}
 
 
 def bandwidth(work: Path, file_bytes: int, total_bytes: int, repeats: int) -> dict:
@@ -124,11 +141,13 @@ def bandwidth(work: Path, file_bytes: int, total_bytes: int, repeats: int) -> di
     for r in range(repeats):
         fio_write = run_fio(files, "write", total_bytes // 4, jobs)
         fio_read = run_fio(files, "read", total_bytes // 4, jobs)
-        put_bw, get_bw, put_cpu, get_cpu = engine_round(cfg, n, seed=r)
+        eng = engine_round(cfg, n, seed=r)
         rounds.append({"fio_write_bw_bytes": fio_write["bw_bytes"], "fio_read_bw_bytes": fio_read["bw_bytes"],
-                       "engine_put_bw_bytes": put_bw, "engine_get_bw_bytes": get_bw,
-                       "engine_put_cpu_s_per_gib": put_cpu, "engine_get_cpu_s_per_gib": get_cpu,
-                       "put_vs_fio": put_bw / fio_write["bw_bytes"], "get_vs_fio": get_bw / fio_read["bw_bytes"]})
+                       "fio_write_cpu_s_per_gib": fio_write["cpu_s_per_gib"],
+                       "fio_read_cpu_s_per_gib": fio_read["cpu_s_per_gib"], **eng,
+                       "put_vs_fio": eng["engine_put_bw_bytes"] / fio_write["bw_bytes"],
+                       "get_vs_fio": eng["engine_get_bw_bytes"] / fio_read["bw_bytes"],
+                       "get_into_vs_fio": eng["engine_get_into_bw_bytes"] / fio_read["bw_bytes"]})
     med = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
     return {"blocks": n, "block_bytes": 2 * MiB, "files": 4, "file_bytes": file_bytes, "repeats": repeats,
             **med, "rounds": rounds,
@@ -217,8 +236,14 @@ def print_table(result: dict) -> None:
               f"{bw['fio_write_bw_bytes'] / MiB:>14.1f} {bw['put_vs_fio']:>7.2f}")
         print(f"{'get 2 MiB blocks, 4 files (MiB/s)':<38} {bw['engine_get_bw_bytes'] / MiB:>14.1f} "
               f"{bw['fio_read_bw_bytes'] / MiB:>14.1f} {bw['get_vs_fio']:>7.2f}")
-        print(f"{'engine CPU s per GiB put / get':<38} {bw['engine_put_cpu_s_per_gib']:>14.2f} "
-              f"{bw['engine_get_cpu_s_per_gib']:>14.2f}")
+        print(f"{'get_many_into, caller buffers (MiB/s)':<38} {bw['engine_get_into_bw_bytes'] / MiB:>14.1f} "
+              f"{bw['fio_read_bw_bytes'] / MiB:>14.1f} {bw['get_into_vs_fio']:>7.2f}")
+        print(f"{'CPU s per GiB: put (fio write)':<38} {bw['engine_put_cpu_s_per_gib']:>14.2f} "
+              f"{bw['fio_write_cpu_s_per_gib']:>14.2f}")
+        print(f"{'CPU s per GiB: get bytes (fio read)':<38} {bw['engine_get_cpu_s_per_gib']:>14.2f} "
+              f"{bw['fio_read_cpu_s_per_gib']:>14.2f}")
+        print(f"{'CPU s per GiB: get_many_into (fio read)':<38} {bw['engine_get_into_cpu_s_per_gib']:>14.2f} "
+              f"{bw['fio_read_cpu_s_per_gib']:>14.2f}")
     ix = result.get("index")
     if ix:
         added = ix["blocks_after"] - ix["blocks_before"]

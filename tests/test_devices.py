@@ -168,3 +168,13 @@ def test_striped_array_reports_the_failing_device():
         array = StripedArray(devs, geo, pool)
         with pytest.raises(DeviceError, match=r"faulty\(m1\)"):
             array.write(0, aligned_buffer(4 * PAGE))
+
+
+def test_huge_page_buffers_are_zeroed_aligned_and_writable():
+    from kvtier.daemon.engine.devices import HUGE_PAGE_BYTES, aligned_buffer, is_aligned
+    for size, populate in ((2 * HUGE_PAGE_BYTES, True), (HUGE_PAGE_BYTES + 4096, False), (8192, True)):
+        buf = aligned_buffer(size, populate=populate, huge=True)
+        assert buf.nbytes == size and is_aligned(buf) and not buf.readonly
+        assert not any(buf[::4096])
+        buf[-1] = 7
+        assert buf[-1] == 7

@@ -13,6 +13,7 @@ Modules, one job each:
 * :mod:`.openregion`  the open region's DRAM image
 * :mod:`.regions`     region table and accounting
 * :mod:`.eviction`    FIFO / LRU region policies
+* :mod:`.reinsertion` which hot blocks a reclaim moves instead of dropping
 * :mod:`.index`       compact key -> location hash table (NumPy)
 * :mod:`.recovery`    rebuilding the index from flash
 * :mod:`.fsck`        offline check (and repair) of a stopped store
@@ -20,9 +21,9 @@ Modules, one job each:
 * :mod:`.errors`      EngineError, NoSpaceError, GeometryError, DeviceError
 * :mod:`.engine`      the facade
 """
-from .config import BlockLocation, EngineConfig, EngineStatistics
+from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
 from .engine import Engine
 from .errors import DeviceError, EngineError, GeometryError, NoSpaceError
 
-__all__ = ["Engine", "EngineConfig", "EngineStatistics", "BlockLocation", "EngineError", "NoSpaceError",
+__all__ = ["Engine", "EngineConfig", "EngineStatistics", "BlockLocation", "LOCATION_DTYPE", "EngineError", "NoSpaceError",
            "GeometryError", "DeviceError"]

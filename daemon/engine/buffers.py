@@ -1,5 +1,6 @@
 """A pool of aligned read buffers, so flash reads reuse faulted-in memory
-instead of mapping (and page-faulting) fresh pages for every block."""
+instead of mapping (and page-faulting) fresh pages for every block. Buffers of
+2 MiB and more are backed by transparent huge pages where the kernel allows."""
 from __future__ import annotations
 
 import threading
@@ -35,7 +36,7 @@ class BufferPool:
             if idle:
                 self._idle_bytes -= cls
                 return idle.pop()
-        return aligned_buffer(cls, populate=True)
+        return aligned_buffer(cls, populate=True, huge=True)
 
     def give(self, buf: memoryview) -> None:
         with self._lock:

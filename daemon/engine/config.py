@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .devices import ALIGNMENT_BYTES
 from .eviction import EVICTION_POLICIES
+from .index import HITS_MAX
 from .superblock import DEVICE_COUNT_MAX
 
 STRIPE_SIZE_DEFAULT_BYTES = 1 << 20  # RAID0 stripe unit: large enough for sequential device I/O
@@ -20,6 +23,9 @@ class EngineConfig:
     region_size_bytes: int = REGION_SIZE_DEFAULT_BYTES
     eviction: str = "fifo"
     io_threads_per_device: int = IO_THREADS_PER_DEVICE_DEFAULT
+    # unpinned blocks read at least this many times since written (or last moved) are moved, not
+    # dropped, when their region is reclaimed (hottest first, a quarter of a region at most); 0: off
+    reinsertion_hits_min: int = 0
 
     def __post_init__(self) -> None:
         paths = tuple(str(p) for p in self.device_paths) if not isinstance(self.device_paths, str) else None
@@ -42,6 +48,9 @@ class EngineConfig:
                              f"of the stripe width {width} (stripe_size_bytes x {len(paths)} devices)")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"EngineConfig.eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if not 0 <= self.reinsertion_hits_min <= HITS_MAX:
+            raise ValueError(f"EngineConfig.reinsertion_hits_min must be in 0..{HITS_MAX} (0: off), "
+                             f"got {self.reinsertion_hits_min}")
         if self.io_threads_per_device < 1:
             raise ValueError(f"EngineConfig.io_threads_per_device must be >= 1, got {self.io_threads_per_device}")
 
@@ -77,3 +86,10 @@ class BlockLocation:
     length: int
     seq: int
     sealed: bool
+
+
+# One row per key of ``Engine.locate_buffer``: the fields of :class:`BlockLocation` plus ``found``
+# (a row with found=False is all zeros). Fixed little-endian layout, so it can go on the wire as is.
+LOCATION_DTYPE = np.dtype([("logical_offset", "<u8"), ("seq", "<u8"), ("length", "<u4"),
+                           ("found", "?"), ("sealed", "?"), ("_pad", "V2")])
+assert LOCATION_DTYPE.itemsize == 24, LOCATION_DTYPE.itemsize

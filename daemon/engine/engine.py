@@ -6,7 +6,12 @@ striped array of devices (after CacheLib Navy's block cache).
     put ──verify──> open region image (DRAM) ──seal: one striped write + fdatasync──> sealed region
                        │ durable put: write the filled prefix + fdatasync
     get ──index──> open image (copy)  |  flash read outside the lock ──verify key, seq, CRCs──> bytes
-    full? ──> seal, take a free region, or reclaim the policy's victim (pinned blocks are reinserted)
+    get_into ──index──> flash read straight into the caller's aligned buffer ──verify──> size
+    full? ──> seal, take a free region, or reclaim the policy's victim (pinned blocks, and hot
+              ones the reinsertion policy picks, are moved to the new region)
+
+Batch calls resolve their keys in one vectorized pass over the index (NumPy);
+``lookup_buffer`` / ``locate_buffer`` take the keys as one N x 16-byte buffer.
 
 One lock guards the index, the region table and the open image; flash reads
 of sealed regions run outside it (a read racing a reclaim fails its key/seq
@@ -32,7 +37,7 @@ from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, decode_head
 from kvtier.client.stripe import StripeGeometry
 
 from . import regionfmt as fmt
-from .config import BlockLocation, EngineConfig, EngineStatistics
+from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
 from .devices import ALIGNMENT_BYTES, Device, aligned_buffer, align_down, align_up
 from .errors import DeviceError, EngineError, GeometryError, NoSpaceError
 from .index import PINNED_BIT, SEQ_DELTA_MAX, BlockIndex
@@ -41,6 +46,7 @@ from .raid0 import StripedArray
 from .reader import BlockReader, ReadFailure
 from .recovery import LiveSet, RegionScan, read_region_entries, scan_regions, select_live, write_summary
 from .regions import RegionState, RegionTable
+from .reinsertion import HOT_REINSERT_FRACTION_MAX, make_reinsertion
 from .store import StoreLayout, format_store, open_devices, read_superblocks, validate_store, write_generation
 
 SEQ_RESTART_GAP = 1 << 20  # seqs skipped at restart, so no seq of an unacknowledged, torn write is ever reused
@@ -89,19 +95,21 @@ class Engine:
         self._devices = list(devices)
         self._layout = layout
         self._generation = layout.generation
+        self._seq_floor = layout.seq_floor  # seqs <= this are of an erased generation (superblock)
         self._region_size = cfg.region_size_bytes
         self._pool = ThreadPoolExecutor(max_workers=len(devices) * cfg.io_threads_per_device,
                                         thread_name_prefix="kvtier-io")
         self._array = StripedArray(self._devices, layout.geometry, self._pool)
         self._reader = BlockReader(self._array, self._pool)
         self._lock = threading.RLock()
-        self._index = BlockIndex()
-        self._open = OpenRegion(aligned_buffer(self._region_size, populate=True))
+        self._index = BlockIndex(track_hits=cfg.reinsertion_hits_min > 0)
+        self._open = OpenRegion(aligned_buffer(self._region_size, populate=True, huge=True))
         # a full region is written by the sealer thread from its image while puts fill the spare
-        self._spare: OpenRegion | None = OpenRegion(aligned_buffer(self._region_size, populate=True))
+        self._spare: OpenRegion | None = OpenRegion(aligned_buffer(self._region_size, populate=True, huge=True))
         self._sealing: tuple[OpenRegion, list, Future | None] | None = None
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")
         self._table = RegionTable(layout.region_count, self._open.capacity_bytes, cfg.eviction)
+        self._reinsertion = make_reinsertion(cfg.reinsertion_hits_min)
         self._active = False  # whether self._open holds a region
         self._unsynced_writes = 0  # seals and region headers written since the devices were last synced
         self._next_seq = 1
@@ -133,7 +141,8 @@ class Engine:
     # -- recovery ----------------------------------------------------------
     def _recover(self) -> None:
         t0 = time.monotonic()
-        scans = scan_regions(self._array, self._table.region_count, self._region_size, self._generation)
+        scans = scan_regions(self._array, self._table.region_count, self._region_size, self._generation,
+                             self._seq_floor)
         live = select_live(scans)
         now = time.time()
         for scan in sorted((s for s in scans if s.kind != "free"), key=lambda s: s.base_seq):
@@ -141,7 +150,11 @@ class Engine:
                 self._seal_recovered(scan)
             self._table.restore_sealed(scan.region, scan.base_seq, scan.last_seq, scan.data_end, now)
         self._load_live(live)
-        self._next_seq = live.max_seq + SEQ_RESTART_GAP
+        # above every seq that may still be on flash -- this generation's, an erased one's (the
+        # floor), and any region header's span, of any generation: a reused region's new blocks
+        # then always outrank, and its recovery walk stops at, whatever the region held before
+        on_flash_max = max([self._seq_floor, live.max_seq] + [scan.seq_bound for scan in scans])
+        self._next_seq = on_flash_max + SEQ_RESTART_GAP
         self._stats["recovered_blocks"] = len(live.k0)
         self._recovery_seconds = time.monotonic() - t0
 
@@ -157,7 +170,7 @@ class Engine:
         assert np.all(delta <= SEQ_DELTA_MAX), "a region's seq span exceeds the index's delta field"
         meta = delta.astype(np.uint32) | np.where(live.pinned, np.uint32(PINNED_BIT), np.uint32(0))
         addr = live.region.astype(np.uint64) * np.uint64(self._region_size) + live.offset.astype(np.uint64)
-        self._index = BlockIndex(capacity=int(len(live.k0) / 0.75) + 1)
+        self._index = BlockIndex(capacity=int(len(live.k0) / 0.75) + 1, track_hits=self._index.track_hits)
         self._index.insert_many(live.k0, live.k1, addr, live.length.astype(np.uint32), meta)
         np.add.at(self._table.live_blocks, live.region, 1)
         np.add.at(self._table.live_bytes, live.region, live.length)
@@ -169,12 +182,9 @@ class Engine:
     def _ensure_room(self, block_bytes: int, entries: int = 1) -> None:
         if self._active and self._open.room_for(block_bytes, entries):
             return
-        if self._active:
-            self._seal(wait=False)
-        self._open_region()
+        self._next_region()
         if not self._open.room_for(block_bytes, entries):
-            self._seal(wait=False)  # reinserted pinned blocks took the room: one more region
-            self._open_region()
+            self._next_region()  # blocks moved out of a reclaimed region took the room: one more region
         assert self._open.room_for(block_bytes, entries), (block_bytes, self._open.data_end)
 
     def _seal(self, wait: bool) -> None:
@@ -189,6 +199,7 @@ class Engine:
         base = image.region * self._region_size
         writes = [(base + start, image.buffer[start:end]) for start, end in image.seal_ranges()]
         self._sealing = (image, writes, self._sealer.submit(self._array.write_ranges, writes))
+        self._table.seal_started(image.region)
         self._unsynced_writes += 1
         self._open, self._spare = self._spare, None
         self._active = False
@@ -234,13 +245,18 @@ class Engine:
             self._stats["device_errors"] += 1
             raise
 
-    def _open_region(self) -> None:
-        assert not self._active
+    def _next_region(self) -> None:
+        """Seal the open region (if any) and open a free one, or reclaim one (:meth:`_reclaim`)."""
         region = self._table.take_free()
-        carried: list[tuple] = []
-        reinsert: list[bytes] = []
         if region is None:
-            region, reinsert, carried = self._reclaim()
+            self._reclaim()
+            return
+        if self._active:
+            self._seal(wait=False)
+        self._start_region(region)
+
+    def _start_region(self, region: int) -> None:
+        assert not self._active
         base_seq = self._take_seq()
         header = self._open.reset(region, base_seq, self._generation)
         self._table.open(region, base_seq, time.time())
@@ -248,7 +264,8 @@ class Engine:
         # invalidate what the region held before: new header page + zeroed last page. Not synced
         # here: the next durable promise syncs every device first (_make_durable). Until then a
         # power loss may leave the old header and trailer: entries whose bytes were overwritten
-        # fail verification (misses), the others are the region's old, valid blocks.
+        # fail verification (misses), the others are the region's old, valid blocks -- nothing
+        # that must outlive the region is still only there (see _reclaim).
         tail = self._open.buffer[self._region_size - ALIGNMENT_BYTES:]
         tail[:] = bytes(ALIGNMENT_BYTES)
         base = region * self._region_size
@@ -257,59 +274,263 @@ class Engine:
         self._unsynced_writes += 1
         self._open.durable_end = fmt.REGION_HEADER_BYTES
         assert bytes(self._open.buffer[:len(header)]) == header
-        for block in reinsert:
-            self._append(memoryview(block), decode_header(block), pinned=True)
-            self._stats["reinsertions"] += 1
-        self._carry_forward(carried)
-        if reinsert or carried:
-            self._make_durable(with_entries=True)  # a crash must not unpin what was just moved
 
-    def _reclaim(self) -> tuple[int, list[bytes], list[tuple]]:
-        victim = self._table.victim()
-        if victim is None and self._sealing is not None:
-            self._reap_seal(wait=True)  # the region being sealed may be the one to reclaim
-            victim = self._table.victim()
-        if victim is None:
-            self._stats["alloc_failures"] += 1
+    def _reclaim(self) -> None:
+        """No free region: evict the policy's victim and open it as the new region, moving its
+        pinned blocks, its hot blocks (the reinsertion policy's pick) and its metadata records
+        that still matter into it.
+
+        Crash ordering: rewriting the victim's header makes recovery see an empty open region,
+        so whatever must outlive the victim -- pinned blocks, records -- is made durable in
+        another region first (hot blocks are a cache hint: losing them to a crash is a miss):
+
+        * nothing to keep: reset the victim, append its hot blocks;
+        * the open region has room for it: append it there and sync, then seal that region and
+          reset the victim (the copies stay where they are);
+        * the moved blocks, packed from the victim's start, miss the old places of its pinned
+          blocks: rewrite the victim in place (:meth:`_reclaim_in_place`);
+        * otherwise a *staging* region: a second reclaimable region holding no pinned block (its
+          records still needed go to the open region first, synced) is evicted, reset, and gets
+          copies of the pinned blocks and records, synced; then the victim is reset and gets
+          them again (newer seqs: recovery prefers them), synced; only then is the staging
+          region's header erased and the region freed. At every step one durable copy is found
+          by recovery: the victim's sealed summary, the staging region's open scan (the victim
+          is then empty), or the victim's own open scan.
+
+        A pinned block that cannot be read (device error) aborts the reclaim of that victim (it
+        is never dropped): the next one in policy order is tried, else NoSpaceError names the
+        causes. A pinned block that fails verification (corrupt) is dropped and counted."""
+        causes: list[str] = []
+        for attempt in range(2):
+            for victim in self._table.victims():
+                if self._reclaim_victim(victim, causes):
+                    return
+            if attempt == 0 and self._sealing is not None:
+                self._reap_seal(wait=True)  # the region being sealed may be the one to reclaim
+                continue
+            break
+        self._stats["alloc_failures"] += 1
+        if not causes:
             raise NoSpaceError(f"no space: every one of the {self._table.sealed_count} sealed regions holds more "
                                f"pinned bytes than can be moved (unpin or delete blocks)")
+        raise NoSpaceError(f"no space: no region could be reclaimed without losing pinned blocks or records: "
+                           f"{'; '.join(dict.fromkeys(causes))}")
+
+    def _reclaim_victim(self, victim: int, causes: list[str]) -> bool:
+        moved, unreadable, pinned_ranges = self._read_moved(victim)
+        if unreadable:
+            causes.append(f"region {victim}: {unreadable} pinned blocks unreadable (device errors)")
+            return False
+        pinned_moved = [block for block, pinned in moved if pinned]
+        records = self._needed_records(victim, {victim})
+        if not pinned_moved and not records:
+            self._evict(victim, len(moved))
+            if self._active:
+                self._seal(wait=False)
+            self._start_region(victim)
+            self._move_in(moved, [])
+            return True
+        nbytes = sum(len(block) for block, _ in moved)
+        if self._active and self._open.room_for(nbytes, len(moved) + len(records)):
+            self._evict(victim, len(moved))
+            self._move_in(moved, records)
+            self._make_durable(with_entries=True)  # the victim holds nothing needed from here
+            self._seal(wait=False)
+            self._start_region(victim)
+            return True
+        if self._active and self._open.room_for(0, len(pinned_moved) + len(records)) and \
+                not self._overlaps_new_layout(nbytes, len(moved), pinned_ranges):
+            self._reclaim_in_place(victim, moved, records)
+            return True
+        staging = self._staging_region(victim, causes)
+        if staging is None:
+            return False
+        # the victim stays readable by recovery until step 2: the staging region's records that
+        # concern the victim's blocks (tombstones) still count (durable before it is reset; they fit,
+        # _staging_region checked)
+        staging_records = self._needed_records(staging, {staging})
+        if staging_records:
+            self._write_records(staging_records)
+            self._make_durable(with_entries=True)
+        if self._active:
+            self._seal(wait=False)
+        self._evict(victim, len(moved))
+        self._evict(staging, 0)
+        self._start_region(staging)
+        self._stage_copies(pinned_moved, records)
+        self._make_durable(with_entries=True)  # step 1: the pinned blocks and records live in the staging region
+        self._active = False  # the staging image is given up unsealed (the table frees it at step 3)
+        self._start_region(victim)
+        self._move_in(moved, records)
+        self._make_durable(with_entries=True)  # step 2: ... and in the victim, newer
+        self._array.write_ranges([(staging * self._region_size, aligned_buffer(fmt.REGION_HEADER_BYTES))])
+        self._unsynced_writes += 1  # step 3: erase the staging region's header (synced by the next durable promise)
+        self._table.discard_open(staging)
+        return True
+
+    def _reclaim_in_place(self, victim: int, moved: list[tuple[bytes, bool]], records: list[tuple]) -> None:
+        """Reclaim ``victim`` keeping its moved blocks in it, when their new places (packed from the
+        region's start) miss the old places of its pinned blocks. Order, each step synced:
+
+        1. in the open region: the victim's records still needed, and a pin record for the new
+           copy of each pinned block (its seq is taken now);
+        2. the new copies at the victim's start; its header, summary and trailer untouched, so
+           recovery still reads the old region, whose pinned blocks are intact;
+        3. the victim's header (new base_seq) and summary pages (the new copies' entries, a zeroed
+           trailer): a crash during it leaves the old sealed region, or an open region whose
+           walk finds the new copies (newer than either base_seq), pinned by the records of 1."""
+        base_seq = self._take_seq()
+        seqs = [self._take_seq() for _ in moved]
+        self._write_records(records)
+        for (block, pinned), seq in zip(moved, seqs):
+            if pinned:
+                k0, k1 = _halves(decode_header(block).key)
+                self._record(fmt.KIND_PIN, k0, k1, ZERO_NS, seq)
+        self._make_durable(with_entries=True)  # step 1
+        self._evict(victim, len(moved))
+        self._seal(wait=False)
+        image = self._open
+        image.reset(victim, base_seq, self._generation)
+        tail = self._summary_start(len(moved))
+        image.buffer[tail:] = bytes(self._region_size - tail)
+        placed = []
+        for (block, pinned), seq in zip(moved, seqs):
+            header = decode_header(block)
+            k0, k1 = _halves(header.key)
+            offset = image.append_block(memoryview(block), seq, k0, k1, header.ns_id,
+                                        fmt.FLAG_PINNED if pinned else 0)
+            placed.append((k0, k1, offset, len(block), seq - base_seq, pinned))
+        base = victim * self._region_size
+        self._write_and_sync([(base + fmt.REGION_HEADER_BYTES,
+                               image.buffer[fmt.REGION_HEADER_BYTES:align_up(image.data_end)])])  # step 2
+        self._write_and_sync([(base, image.buffer[:fmt.REGION_HEADER_BYTES]),
+                              (base + tail, image.buffer[tail:])])  # step 3
+        image.durable_end, image.durable_entries = image.data_end, image.entry_count
+        self._table.open(victim, base_seq, time.time())
+        self._active = True
+        for k0, k1, offset, nbytes, delta, pinned in placed:
+            assert delta <= SEQ_DELTA_MAX, delta
+            self._index.insert(k0, k1, base + offset, nbytes, delta | (PINNED_BIT if pinned else 0))
+            self._table.add_block(victim, nbytes, pinned)
+            self._stats["reinsertions"] += 1
+        self._table.last_seq[victim] = image.last_seq
+
+    def _summary_start(self, entries: int) -> int:
+        """The first (aligned) byte of the pages holding ``entries`` (>= 1) summary entries and the trailer."""
+        return align_down(fmt.entry_position(self._region_size, max(entries, 1) - 1))
+
+    def _overlaps_new_layout(self, nbytes: int, entries: int, ranges: list[tuple[int, int]]) -> bool:
+        """Whether ``nbytes`` of blocks packed from a region's start (aligned up), or the summary
+        pages of ``entries`` entries, would overwrite any of these [start, end) ranges of it."""
+        front_end = align_up(fmt.REGION_HEADER_BYTES + nbytes)
+        summary_start = self._summary_start(entries)
+        return any(start < front_end or end > summary_start for start, end in ranges)
+
+    def _read_moved(self, victim: int) -> tuple[list[tuple[bytes, bool]], int, list[tuple[int, int]]]:
+        """The blocks to move out of ``victim`` -- (block, pinned), in region order: every pinned
+        block, and the hot ones the reinsertion policy picks -- read and verified; how many pinned
+        ones could not be read (device errors); and the [start, end) places of the pinned ones in
+        the region. Changes nothing but statistics."""
         lo = victim * self._region_size
         slots = self._index.slots_in_range(lo, lo + self._region_size)
+        slots = slots[np.argsort(self._index.addr[slots], kind="stable")]  # region order
         meta = self._index.meta[slots]
         pinned = (meta & np.uint32(PINNED_BIT)) != 0
-        keep: list[bytes] = []
-        for slot in slots[pinned].tolist():
+        hot = np.zeros(len(slots), bool)
+        if self._index.track_hits:  # a reinsertion policy is configured
+            unpinned = np.flatnonzero(~pinned)
+            cost = self._index.length[slots[unpinned]].astype(np.int64) + fmt.ENTRY_BYTES
+            hot[unpinned] = self._reinsertion.select(self._index.hits[slots[unpinned]], cost,
+                                                     int(self._open.capacity_bytes * HOT_REINSERT_FRACTION_MAX))
+        moved = pinned | hot
+        keep: list[tuple[bytes, bool]] = []
+        unreadable = 0
+        ranges = [(int(self._index.addr[slot]) - lo, int(self._index.addr[slot]) - lo + int(self._index.length[slot]))
+                  for slot in slots[pinned].tolist()]
+        for slot, as_pinned in zip(slots[moved].tolist(), pinned[moved].tolist()):
             block = self._reader.read_one(fmt.halves_to_key(self._index.k0[slot], self._index.k1[slot]),
                                           int(self._index.addr[slot]), int(self._index.length[slot]),
                                           self._seq_of(slot))
             if isinstance(block, bytes):
-                keep.append(block)
+                keep.append((block, as_pinned))
+            elif block is ReadFailure.CORRUPT:
+                self._stats["corrupt_reads"] += 1  # torn or damaged: dropped, whether pinned or not
             else:
-                self._stats["corrupt_reads" if block is ReadFailure.CORRUPT else "device_errors"] += 1
-        lengths = self._index.length[slots].astype(np.int64)
-        self._table.drop_blocks(np.full(len(slots), victim), lengths, pinned)
-        self._index.remove(slots)
-        self._stats["evicted_blocks"] += int(len(slots) - len(keep))
-        self._stats["evicted_regions"] += 1
-        carried = self._table.meta_records.get(victim, [])
-        self._table.release(victim)
-        return victim, keep, carried
+                self._stats["device_errors"] += 1
+                unreadable += as_pinned  # a hot block is only a cache hint; a pinned one is never dropped
+        return keep, unreadable, ranges
 
-    def _carry_forward(self, records: list[tuple]) -> None:
-        """Re-record the metadata of a reclaimed region that still matters."""
-        for kind, k0, k1, ns, seq, target_seq in records:
+    def _staging_region(self, victim: int, causes: list[str]) -> int | None:
+        """A region to stage the victim's pinned blocks in: reclaimable, no pinned block, and its
+        records still needed fit the open region."""
+        for region in self._table.victims():
+            if region == victim or self._table.pinned_bytes[region]:
+                continue
+            needed = len(self._needed_records(region, {region}))
+            if not needed or (self._active and self._open.room_for(0, needed)):
+                return region
+        causes.append(f"region {victim}: no room to stage its pinned blocks and records (the open region is "
+                      f"full and every other reclaimable region holds pinned blocks or records still needed)")
+        return None
+
+    def _evict(self, region: int, moved: int) -> None:
+        """Drop every block of ``region`` from the index (``moved`` of them are being moved) and
+        release it."""
+        lo = region * self._region_size
+        slots = self._index.slots_in_range(lo, lo + self._region_size)
+        pinned = (self._index.meta[slots] & np.uint32(PINNED_BIT)) != 0
+        self._table.drop_blocks(np.full(len(slots), region), self._index.length[slots].astype(np.int64), pinned)
+        self._index.remove(slots)
+        self._stats["evicted_blocks"] += int(len(slots) - moved)
+        self._stats["evicted_regions"] += 1
+        self._table.release(region)
+
+    def _move_in(self, moved: list[tuple[bytes, bool]], records: list[tuple]) -> None:
+        """Append moved blocks and records to the open region (durable if any is pinned or a record)."""
+        for block, pinned in moved:
+            self._append(memoryview(block), decode_header(block), pinned=pinned)
+            self._stats["reinsertions"] += 1
+        self._write_records(records)
+        if records or any(pinned for _, pinned in moved):
+            self._make_durable(with_entries=True)  # a crash must not unpin what was just moved
+
+    def _stage_copies(self, blocks: list[bytes], records: list[tuple]) -> None:
+        """Staging: copies of pinned blocks and records in the open region's image only (index and
+        table untouched): recovery finds them if a crash comes before the victim has them."""
+        image = self._open
+        for block in blocks:
+            header = decode_header(block)
+            k0, k1 = _halves(header.key)
+            image.append_block(memoryview(block), self._take_seq(), k0, k1, header.ns_id, fmt.FLAG_PINNED)
+        for kind, k0, k1, ns, target_seq in records:
+            image.append_meta(kind, k0, k1, ns, self._take_seq(), target_seq)
+
+    def _needed_records(self, region: int, gone: set[int]) -> list[tuple]:
+        """The metadata records of ``region`` that must outlive it -- (kind, k0, k1, ns, target_seq)
+        -- if the regions in ``gone`` are evicted: tombstones of blocks in other live regions, and
+        the current pin state of blocks still present."""
+        live = self._table.state != RegionState.FREE
+        live[list(gone)] = False
+        out = []
+        for kind, k0, k1, ns, _, target_seq in self._table.meta_records.get(region, []):
             if kind == fmt.KIND_TOMBSTONE:
-                if self._table.region_of_seq(target_seq) is not None:
-                    self._record(kind, k0, k1, ns, target_seq)
+                holder = self._table.region_of_seq(target_seq)
+                if holder is not None and holder not in gone:
+                    out.append((kind, k0, k1, ns, target_seq))
             elif kind == fmt.KIND_NS_TOMBSTONE:
-                live = self._table.state != RegionState.FREE
                 if np.any(live & (self._table.base_seq < np.uint64(target_seq))):
-                    self._record(kind, k0, k1, ns, target_seq)
+                    out.append((kind, k0, k1, ns, target_seq))
             else:
                 slot = self._index.find(k0, k1)
-                if slot >= 0 and self._seq_of(slot) == target_seq:
+                if slot >= 0 and self._seq_of(slot) == target_seq and \
+                        int(self._index.addr[slot]) // self._region_size not in gone:
                     now_pinned = bool(self._index.meta[slot] & np.uint32(PINNED_BIT))
-                    self._record(fmt.KIND_PIN if now_pinned else fmt.KIND_UNPIN, k0, k1, ns, target_seq)
+                    out.append((fmt.KIND_PIN if now_pinned else fmt.KIND_UNPIN, k0, k1, ns, target_seq))
+        return out
+
+    def _write_records(self, records: list[tuple]) -> None:
+        for kind, k0, k1, ns, target_seq in records:
+            self._record(kind, k0, k1, ns, target_seq)
 
     def _record(self, kind: int, k0: int, k1: int, ns: bytes, target_seq: int) -> None:
         """Append a metadata record to the open region's summary."""
@@ -323,6 +544,10 @@ class Engine:
         seq = self._next_seq
         self._next_seq += 1
         return seq
+
+    def _seqs_of(self, slots: np.ndarray) -> np.ndarray:
+        regions = (self._index.addr[slots] // np.uint64(self._region_size)).astype(np.int64)
+        return self._table.base_seq[regions] + (self._index.meta[slots] & np.uint32(SEQ_DELTA_MAX)).astype(np.uint64)
 
     def _seq_of(self, slot: int) -> int:
         region = int(self._index.addr[slot]) // self._region_size
@@ -419,6 +644,11 @@ class Engine:
             ranges = [(start, end) for start, end in ranges if start < end]
         try:
             base = image.region * self._region_size
+            if len(ranges) == 2:
+                # entries first, synced: a torn write then never leaves a moved block on flash (newer
+                # than its old copy) without its pinned flag; an entry whose block is missing is ignored
+                start, end = ranges.pop()
+                self._array.sync(self._array.write_ranges([(base + start, image.buffer[start:end])]))
             touched = self._array.write_ranges([(base + start, image.buffer[start:end]) for start, end in ranges])
             if self._unsynced_writes:
                 self._array.sync()
@@ -443,30 +673,34 @@ class Engine:
         return self.get_many([key])[0]
 
     def get_into(self, key, buf) -> int | None:
-        """Copy the verified block into ``buf``; returns its size, or None. A block on flash is
-        copied once, from the read buffer straight into ``buf``."""
-        key = bytes(key)
-        target = memoryview(buf).cast("B")
-        found: list[bytes | None] = [None]
-        pending = self._serve_or_locate([key], found)
+        """Place the verified block in ``buf``; returns its size, or None. A block on flash is read
+        straight into ``buf`` when ``buf`` is page-aligned (an ``aligned_buffer``) and holds the
+        block rounded up to 4 KiB -- one device read and one CRC pass, no copy -- else read into a
+        pooled buffer, verified there and copied once. On a miss, and past the returned size, the
+        contents of ``buf`` are undefined."""
+        return self.get_many_into([key], [buf])[0]
+
+    def get_many_into(self, keys: Sequence, bufs: Sequence) -> list[int | None]:
+        """The batch form of :meth:`get_into`: block i goes to ``bufs[i]`` (writable, distinct).
+        Every buffer is checked for size against the index before any read."""
+        if len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        keys = [bytes(k) for k in keys]
+        targets = [memoryview(b).cast("B") for b in bufs]
+        for i, target in enumerate(targets):
+            if target.readonly:
+                raise TypeError(f"buffer {i} is read-only")
+        results: list[int | None] = [None] * len(keys)
+        pending = self._serve_or_locate(keys, results, targets)
+        for _ in range(READ_RETRIES + 1):
+            if not pending:
+                break
+            pending = self._read_sealed(keys, pending, results, targets)
         if pending:
-            _, addr, length, seq = pending[0]
-            if target.nbytes < length:
-                raise EngineError(f"buffer of {target.nbytes} bytes is too small for the {length}-byte block")
-            outcome = self._reader.read_one(key, addr, length, seq, into=target)
-            if isinstance(outcome, int):
-                self._count_gets(1, 1, outcome)
-                return outcome
-            found = self.get_many([key])  # raced a reclaim, corrupt or a device error: the full path
-        else:
-            self._count_gets(1, int(found[0] is not None), len(found[0] or b""))
-        block = found[0]
-        if block is None:
-            return None
-        if target.nbytes < len(block):
-            raise EngineError(f"buffer of {target.nbytes} bytes is too small for the {len(block)}-byte block")
-        target[:len(block)] = block
-        return len(block)
+            self._drop_corrupt(keys, pending)
+        got = [n for n in results if n is not None]
+        self._count_gets(len(keys), len(got), sum(got))
+        return results
 
     def _count_gets(self, requested: int, hits: int, nbytes: int) -> None:
         with self._lock:
@@ -488,37 +722,78 @@ class Engine:
         self._count_gets(len(keys), len(got), sum(len(r) for r in got))
         return results
 
-    def _serve_or_locate(self, keys, results) -> list[tuple[int, int, int, int]]:
-        """Serve open-region hits; returns (i, addr, length, seq) of the ones on flash."""
+    def _serve_or_locate(self, keys, results, targets=None) -> list[tuple[int, int, int, int]]:
+        """Serve open-region hits into ``results`` (as bytes, or copied into ``targets`` and their
+        sizes); returns (i, addr, length, seq) of the ones on flash. With ``targets``, every hit's
+        buffer is checked for size first."""
         if not keys:
             return []
         k0, k1 = fmt.keys_to_halves(keys)
-        pending = []
         with self._lock:
             self._check_open()
-            slots = self._index.find_many(k0, k1)
-            now = time.time()
-            for i, slot in enumerate(slots.tolist()):
-                if slot < 0:
+            hit, addr, length, seq, sealed = (a.tolist() for a in self._resolve(k0, k1, count_hits=True))
+            if targets is not None:
+                for i, nbytes in zip(hit, length):
+                    if targets[i].nbytes < nbytes:
+                        raise EngineError(f"buffer of {targets[i].nbytes} bytes is too small for the "
+                                          f"{nbytes}-byte block")
+            self._touch_regions(addr)
+            pending = []
+            for i, at, nbytes, sq, on_flash in zip(hit, addr, length, seq, sealed):
+                if on_flash:
+                    pending.append((i, at, nbytes, sq))
                     continue
-                addr, length = int(self._index.addr[slot]), int(self._index.length[slot])
-                region = addr // self._region_size
-                self._table.touch(region, now)
-                image = self._image_of(region)
-                if image is not None:
-                    results[i] = bytes(image.block(addr - region * self._region_size, length))
+                region = at // self._region_size
+                block = self._image_of(region).block(at - region * self._region_size, nbytes)
+                if targets is None:
+                    results[i] = bytes(block)
                 else:
-                    pending.append((i, addr, length, self._seq_of(slot)))
+                    targets[i][:nbytes] = block
+                    results[i] = nbytes
         return pending
 
-    def _read_sealed(self, keys, pending, results) -> list[tuple[int, int, int, int]]:
-        """Read blocks from flash; returns the ones that failed verification, re-located
-        (they may have raced a reclaim)."""
-        outcomes = self._reader.read_many([(keys[i], addr, length, seq) for i, addr, length, seq in pending])
+    def _touch_regions(self, addrs: list[int]) -> None:
+        """Touch the regions of these blocks for the eviction policy, each once, in the order of
+        its last block (the order one touch per block would leave)."""
+        if not addrs:
+            return
+        now = time.time()
+        newest_first = dict.fromkeys(addr // self._region_size for addr in reversed(addrs))
+        for region in reversed(list(newest_first)):
+            self._table.touch(region, now)
+
+    def _resolve(self, k0: np.ndarray, k1: np.ndarray, count_hits: bool = False) -> tuple[np.ndarray, ...]:
+        """One vectorized pass, lock held: (hit, addr, length, seq, sealed) -- the positions of the
+        keys found and, for each, its location (``sealed`` False for a block in a DRAM image: the
+        open region or the one being sealed). ``count_hits``: a read, counted for reinsertion."""
+        slots = self._index.find_many(k0, k1)
+        hit = np.flatnonzero(slots >= 0)
+        found = slots[hit]
+        if count_hits:
+            self._index.count_hits(found)
+        addr = self._index.addr[found]
+        region = addr // np.uint64(self._region_size)
+        sealed = np.ones(len(hit), bool)
+        for image_region in self._image_regions():
+            sealed &= region != np.uint64(image_region)
+        seq = self._table.base_seq[region] + (self._index.meta[found] & np.uint32(SEQ_DELTA_MAX)).astype(np.uint64)
+        return hit, addr, self._index.length[found], seq, sealed
+
+    def _image_regions(self) -> list[int]:
+        regions = [self._open.region] if self._active else []
+        if self._sealing is not None:
+            regions.append(self._sealing[0].region)
+        return regions
+
+    def _read_sealed(self, keys, pending, results, targets=None) -> list[tuple[int, int, int, int]]:
+        """Read blocks from flash (as bytes, or into ``targets``); returns the ones that failed
+        verification, re-located (they may have raced a reclaim)."""
+        outcomes = self._reader.read_many([(keys[i], addr, length, seq) for i, addr, length, seq in pending],
+                                          None if targets is None else [targets[i] for i, _, _, _ in pending])
         failed = []
         device_errors = 0
         for (i, _, _, _), outcome in zip(pending, outcomes):
-            if isinstance(outcome, bytes):
+            if isinstance(outcome, (bytes, int)):
                 results[i] = outcome
             elif outcome is ReadFailure.CORRUPT:
                 failed.append(i)
@@ -529,7 +804,8 @@ class Engine:
                 self._stats["device_errors"] += device_errors
         if not failed:
             return []
-        relocated = self._serve_or_locate([keys[i] for i in failed], sub := [None] * len(failed))
+        relocated = self._serve_or_locate([keys[i] for i in failed], sub := [None] * len(failed),
+                                          None if targets is None else [targets[i] for i in failed])
         for j, block in enumerate(sub):
             if block is not None:
                 results[failed[j]] = block
@@ -550,27 +826,48 @@ class Engine:
         """How many leading keys of a chain are present (one vectorized probe)."""
         if not len(keys):
             return 0
-        k0, k1 = fmt.keys_to_halves(keys)
+        return self._lookup_halves(*fmt.keys_to_halves(keys))
+
+    def lookup_buffer(self, keys_buf) -> int:
+        """:meth:`lookup` for N keys given as one contiguous buffer of N x 16 bytes (bytes,
+        memoryview, a NumPy array): no per-key Python step at all."""
+        return self._lookup_halves(*fmt.key_buffer_to_halves(keys_buf))
+
+    def _lookup_halves(self, k0: np.ndarray, k1: np.ndarray) -> int:
+        if not len(k0):
+            return 0
         with self._lock:
             self._check_open()
             present = self._index.find_many(k0, k1) >= 0
-        return int(len(keys) if present.all() else np.argmin(present))
+        return int(len(present) if present.all() else np.argmin(present))
 
     def locate_many(self, keys: Sequence) -> list[BlockLocation | None]:
         if not len(keys):
             return []
-        k0, k1 = fmt.keys_to_halves(keys)
-        out: list[BlockLocation | None] = []
+        rows = self._locate_halves(*fmt.keys_to_halves(keys))
+        return [BlockLocation(addr, length, seq, sealed) if ok else None
+                for ok, addr, length, seq, sealed in zip(rows["found"].tolist(), rows["logical_offset"].tolist(),
+                                                         rows["length"].tolist(), rows["seq"].tolist(),
+                                                         rows["sealed"].tolist())]
+
+    def locate_buffer(self, keys_buf) -> np.ndarray:
+        """:meth:`locate_many` for N keys given as one contiguous buffer of N x 16 bytes: a
+        LOCATION_DTYPE array of N rows (``found`` False: absent, the other fields 0)."""
+        return self._locate_halves(*fmt.key_buffer_to_halves(keys_buf))
+
+    def _locate_halves(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+        rows = np.zeros(len(k0), LOCATION_DTYPE)
+        if not len(k0):
+            return rows
         with self._lock:
             self._check_open()
-            for slot in self._index.find_many(k0, k1).tolist():
-                if slot < 0:
-                    out.append(None)
-                    continue
-                addr = int(self._index.addr[slot])
-                sealed = self._image_of(addr // self._region_size) is None
-                out.append(BlockLocation(addr, int(self._index.length[slot]), self._seq_of(slot), sealed))
-        return out
+            hit, addr, length, seq, sealed = self._resolve(k0, k1)
+        rows["found"][hit] = True
+        rows["logical_offset"][hit] = addr
+        rows["length"][hit] = length
+        rows["seq"][hit] = seq
+        rows["sealed"][hit] = sealed
+        return rows
 
     # -- delete / pin ------------------------------------------------------
     def delete_many(self, keys: Sequence) -> list[bool]:
@@ -583,7 +880,8 @@ class Engine:
             slots = self._index.find_many(k0, k1)
             found = slots >= 0
             unique = np.unique(slots[found])
-            doomed = [(int(self._index.k0[s]), int(self._index.k1[s]), self._seq_of(s)) for s in unique.tolist()]
+            doomed = list(zip(self._index.k0[unique].tolist(), self._index.k1[unique].tolist(),
+                              self._seqs_of(unique).tolist()))
             self._forget(unique)
             for k0_, k1_, seq in doomed:  # recording may open/reclaim regions: slots are not used past here
                 self._record(fmt.KIND_TOMBSTONE, k0_, k1_, ZERO_NS, seq)
@@ -612,15 +910,20 @@ class Engine:
         with self._lock:
             self._check_open()
             slots = self._index.find_many(k0, k1)
-            changed = []
-            for slot in np.unique(slots[slots >= 0]).tolist():
-                meta = int(self._index.meta[slot])
-                if bool(meta & PINNED_BIT) == pinned:
-                    continue
-                self._index.meta[slot] = (meta | PINNED_BIT) if pinned else (meta & ~PINNED_BIT)
-                region = int(self._index.addr[slot]) // self._region_size
-                self._table.set_pinned(region, int(self._index.length[slot]), pinned)
-                changed.append((int(self._index.k0[slot]), int(self._index.k1[slot]), self._seq_of(slot)))
+            unique = np.unique(slots[slots >= 0])
+            meta = self._index.meta[unique]
+            flip = unique[((meta & np.uint32(PINNED_BIT)) != 0) != pinned]
+            if len(flip):
+                if pinned:
+                    self._index.meta[flip] |= np.uint32(PINNED_BIT)
+                else:
+                    self._index.meta[flip] &= np.uint32(SEQ_DELTA_MAX)
+                regions = (self._index.addr[flip] // np.uint64(self._region_size)).astype(np.int64)
+                lengths = self._index.length[flip].astype(np.int64)
+                for region, nbytes in zip(regions.tolist(), lengths.tolist()):
+                    self._table.set_pinned(region, nbytes, pinned)
+            changed = list(zip(self._index.k0[flip].tolist(), self._index.k1[flip].tolist(),
+                               self._seqs_of(flip).tolist()))
             for k0_, k1_, seq in changed:  # recording may open/reclaim regions: slots are not used past here
                 self._record(fmt.KIND_PIN if pinned else fmt.KIND_UNPIN, k0_, k1_, ZERO_NS, seq)
             if changed:
@@ -665,8 +968,12 @@ class Engine:
             self._reap_seal(wait=True)
             count = len(self._index)
             sbs = read_superblocks(self._devices)
+            # every seq taken so far is < _next_seq: recovery ignores them all from now on, so no
+            # erased block left in a region that is reused later can pass for a new one
             self._generation += 1
-            write_generation(self._devices, sbs, self._generation)
+            self._seq_floor = self._next_seq
+            write_generation(self._devices, sbs, self._generation, self._seq_floor)
+            self._next_seq = self._seq_floor + 1
             self._index.clear()
             self._table.reset_all()
             self._active = False

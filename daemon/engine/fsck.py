@@ -58,7 +58,7 @@ def check_store(cfg: EngineConfig, repair: bool = False, devices: Sequence[Devic
         array = StripedArray(devs, layout.geometry, pool=_InlinePool())
         size = cfg.region_size_bytes
         reports, repaired = [], []
-        for scan in scan_regions(array, layout.region_count, size, layout.generation):
+        for scan in scan_regions(array, layout.region_count, size, layout.generation, layout.seq_floor):
             if scan.kind == "free":
                 reports.append(RegionReport(scan.region, "free", 0, 0, scan.note))
                 continue

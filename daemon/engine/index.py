@@ -7,6 +7,8 @@ vectorized pass::
     slot:  k0 u64 | k1 u64 | addr u64 | length u32 | meta u32     = 32 bytes
            key halves  logical offset   0 = empty    bit 31: pinned
                                         ~0 = deleted bits 0-30: seq - region base seq
+    [hits u8]  reads since written or moved, saturating: only with ``track_hits``
+               (a reinsertion policy needs it), +1 byte a slot
 
 Keys are BLAKE2b digests, so their bits are already uniform: the home slot
 is ``k0 % capacity``. The table grows by GROWTH_FACTOR when live + deleted
@@ -27,11 +29,14 @@ DELETED = 0xFFFFFFFF
 PINNED_BIT = 1 << 31
 SEQ_DELTA_MAX = PINNED_BIT - 1  # a region's seq span must fit 31 bits
 SLOT_BYTES = 32
+HITS_BYTES = 1  # the optional read-count column
+HITS_MAX = 255  # read counts saturate (one byte)
 BULK_RATIO = 16  # an insert of >= capacity/16 keys is a bulk load (recovery, rehash)
 
 
 class BlockIndex:
-    def __init__(self, capacity: int = CAPACITY_MIN):
+    def __init__(self, capacity: int = CAPACITY_MIN, track_hits: bool = False):
+        self.track_hits = track_hits
         self._allocate(max(capacity, CAPACITY_MIN))
         self._live = 0
         self._deleted = 0
@@ -43,13 +48,14 @@ class BlockIndex:
         self.addr = np.zeros(capacity, np.uint64)
         self.length = np.zeros(capacity, np.uint32)
         self.meta = np.zeros(capacity, np.uint32)
+        self.hits = np.zeros(capacity if self.track_hits else 0, np.uint8)
 
     def __len__(self) -> int:
         return self._live
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * SLOT_BYTES
+        return self.capacity * (SLOT_BYTES + (HITS_BYTES if self.track_hits else 0))
 
     # -- lookups ---------------------------------------------------------
     def find(self, k0: int, k1: int) -> int:
@@ -85,6 +91,12 @@ class BlockIndex:
         ln = self.length
         return np.nonzero((ln != EMPTY) & (ln != DELETED))[0]
 
+    def count_hits(self, slots: np.ndarray) -> None:
+        """One more read of each of these live slots (a slot listed twice counts once), saturating.
+        A no-op unless the index tracks hits."""
+        if self.track_hits:
+            self.hits[slots] = np.minimum(self.hits[slots].astype(np.uint16) + 1, HITS_MAX)
+
     def slots_in_range(self, lo: int, hi: int) -> np.ndarray:
         """Live slots whose address is in [lo, hi) -- the blocks of one region."""
         ln = self.length
@@ -108,20 +120,23 @@ class BlockIndex:
             self._deleted -= 1
         self.k0[pos], self.k1[pos], self.addr[pos] = k0, k1, addr
         self.length[pos], self.meta[pos] = length, meta
+        if self.track_hits:
+            self.hits[pos] = 0
         self._live += 1
         return pos
 
-    def insert_many(self, k0, k1, addr, length, meta) -> None:
-        """Add keys that are absent and unique within the batch, vectorized."""
+    def insert_many(self, k0, k1, addr, length, meta, hits=None) -> None:
+        """Add keys that are absent and unique within the batch, vectorized (read counts 0 unless given)."""
         n = len(k0)
         if not n:
             return
         assert np.all(length > EMPTY) and np.all(length < DELETED)
         self._reserve(n)
         self._place(np.asarray(k0, np.uint64), np.asarray(k1, np.uint64), np.asarray(addr, np.uint64),
-                    np.asarray(length, np.uint32), np.asarray(meta, np.uint32))
+                    np.asarray(length, np.uint32), np.asarray(meta, np.uint32),
+                    np.zeros(n if self.track_hits else 0, np.uint8) if hits is None else np.asarray(hits, np.uint8))
 
-    def _place(self, k0, k1, addr, length, meta) -> None:
+    def _place(self, k0, k1, addr, length, meta, hits) -> None:
         pending = np.arange(len(k0))
         pos = (k0 % np.uint64(self.capacity)).astype(np.int64)
         # a bulk load marks claims in a table-sized scratch array (linear time); a small batch sorts
@@ -139,6 +154,8 @@ class BlockIndex:
             self._deleted -= int(np.count_nonzero(self.length[slots] == DELETED))
             self.k0[slots], self.k1[slots], self.addr[slots] = k0[items], k1[items], addr[items]
             self.length[slots], self.meta[slots] = length[items], meta[items]
+            if self.track_hits:
+                self.hits[slots] = hits[items]
             self._live += len(slots)
             keep = np.ones(len(pending), bool)
             keep[winners] = False
@@ -173,7 +190,8 @@ class BlockIndex:
         while need > capacity * LOAD_FACTOR_MAX:
             capacity = int(capacity * GROWTH_FACTOR)
         live = self.live_slots()
-        cols = (self.k0[live], self.k1[live], self.addr[live], self.length[live], self.meta[live])
+        cols = (self.k0[live], self.k1[live], self.addr[live], self.length[live], self.meta[live],
+                self.hits[live] if self.track_hits else self.hits)
         self._allocate(capacity)
         self._live = self._deleted = 0
         self._place(*cols)

@@ -1,7 +1,7 @@
 """Reading blocks back from the striped array, verified (I/O, no bookkeeping).
 
 Every read covers the block's aligned range, lands in a pooled aligned
-buffer and is checked (header CRC, payload CRC, key, seq) before a byte is
+buffer (or straight in the caller's, when aligned) and is checked (header CRC, payload CRC, key, seq) before a byte is
 handed out; the outcome of each read is a value, not an exception.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Sequence
 from kvtier.client.blockformat import BlockFormatError, verify_block
 
 from .buffers import BufferPool
-from .devices import align_down, align_up
+from .devices import align_down, align_up, is_aligned
 from .errors import DeviceError
 from .raid0 import StripedArray
 
@@ -29,21 +29,32 @@ class BlockReader:
         self._pool = pool
         self._buffers = buffers or BufferPool()
 
-    def read_many(self, requests: Sequence[tuple[bytes, int, int, int]]) -> list[bytes | ReadFailure]:
-        """``requests``: (key, logical offset, length, seq). One block alone reads its stripe pieces
-        in parallel; a batch runs one pool task per block (read, verify, copy), so verification of
+    def read_many(self, requests: Sequence[tuple[bytes, int, int, int]],
+                  into: Sequence[memoryview | None] | None = None) -> list[bytes | int | ReadFailure]:
+        """``requests``: (key, logical offset, length, seq); ``into``: a destination per request
+        (or None: that block comes back as bytes). One block alone reads its stripe pieces in
+        parallel; a batch runs one pool task per block (read, verify, copy), so verification of
         one block overlaps the I/O of the others."""
+        targets = [None] * len(requests) if into is None else into
+        assert len(targets) == len(requests), (len(targets), len(requests))
         if len(requests) == 1:
-            return [self.read_one(*requests[0], inline=False)]
-        return list(self._pool.map(lambda req: self.read_one(*req, inline=True), requests))
+            return [self.read_one(*requests[0], inline=False, into=targets[0])]
+        return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst), requests, targets))
 
     def read_one(self, key: bytes, addr: int, length: int, seq: int, inline: bool = False,
                  into: memoryview | None = None) -> bytes | int | ReadFailure:
-        """The verified block as bytes -- or, with ``into``, copied there and its length returned.
+        """The verified block as bytes -- or, with ``into``, placed there and its length returned.
+
+        With ``into``, a block that starts on an aligned address is read straight into ``into``
+        when ``into`` is aligned and holds the block's aligned range (``align_up(length)`` bytes):
+        one device read and one CRC pass, no copy. Otherwise the read lands in a pooled aligned
+        buffer, is verified there and copied once. Either way nothing is returned unverified; on a
+        failure, and past ``length``, the contents of ``into`` are undefined.
         ``inline`` reads in the calling thread (required on a pool thread: waiting on the pool
         from inside it could deadlock)."""
         start, end = align_down(addr), align_up(addr + length)
-        buf = self._buffers.take(end - start)
+        direct = into is not None and start == addr and into.nbytes >= end - start and is_aligned(into)
+        buf = into if direct else self._buffers.take(end - start)
         try:
             if inline:
                 self._array.read_inline(start, buf[:end - start])
@@ -53,11 +64,13 @@ class BlockReader:
             verify_block(view, key, seq)
             if into is None:
                 return bytes(view)
-            into[:length] = view
+            if not direct:
+                into[:length] = view
             return length
         except BlockFormatError:
             return ReadFailure.CORRUPT
         except DeviceError:
             return ReadFailure.DEVICE_ERROR
         finally:
-            self._buffers.give(buf)
+            if not direct:
+                self._buffers.give(buf)

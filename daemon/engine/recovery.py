@@ -1,11 +1,15 @@
 """Recovery: find every region's entries on flash and pick the live blocks.
 
 1. Read every region's header page and last page (one parallel batch each).
-2. Header invalid or of another generation -> the region is free.
+2. Header invalid, of another generation, or not above the store's seq floor
+   (an erased generation's) -> the region is free.
    Trailer valid with the header's generation and base_seq -> *sealed*: read
    its summary (CRC-checked). Otherwise the region was *open*: read it whole
    and walk its self-describing blocks; the walk stops at the first block that
    is torn or corrupt (CRCs), out of place, or not newer than the one before.
+   Every entry must lie in the region's seq span, ``base_seq < seq <=
+   base_seq + span_max`` (:func:`seq_span_max`): anything else on flash is
+   stale or damaged and is dropped (never an assert).
 3. :func:`select_live` merges all entries: per key the newest block wins,
    then tombstones (``seq <= target_seq`` of the key), namespace tombstones
    and pin/unpin records (newest record for that exact block) apply.
@@ -24,6 +28,7 @@ from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, decode_head
 
 from . import regionfmt as fmt
 from .devices import ALIGNMENT_BYTES, aligned_buffer, align_down
+from .index import SEQ_DELTA_MAX
 from .raid0 import StripedArray
 
 SCAN_BATCH_REGIONS = 256  # header/trailer pages read per parallel batch: bounds the scratch memory
@@ -40,9 +45,20 @@ class RegionScan:
     dropped_entries: int = 0
     note: str = ""
     image: memoryview | None = None  # open regions: the region as read
+    seq_bound: int = 0  # no seq of any use of this region still on flash exceeds this (any generation)
 
 
-def scan_regions(array: StripedArray, region_count: int, region_size_bytes: int, generation: int) -> list[RegionScan]:
+def seq_span_max(region_size_bytes: int) -> int:
+    """The largest ``seq - base_seq`` a region can hold: every seq taken while a region is open
+    is one of its summary entries, so a region of N entry slots spans at most N seqs (and the
+    span must fit the index's seq delta field)."""
+    return min(region_size_bytes // fmt.ENTRY_BYTES, SEQ_DELTA_MAX)
+
+
+def scan_regions(array: StripedArray, region_count: int, region_size_bytes: int, generation: int,
+                 seq_floor: int = 0) -> list[RegionScan]:
+    """Classify every region (see the module doc). ``seq_floor``: the superblock's; a region of
+    this generation whose base_seq is not above it is treated as free."""
     scans: list[RegionScan] = []
     for first in range(0, region_count, SCAN_BATCH_REGIONS):
         batch = range(first, min(region_count, first + SCAN_BATCH_REGIONS))
@@ -57,23 +73,32 @@ def scan_regions(array: StripedArray, region_count: int, region_size_bytes: int,
         for i, region in enumerate(batch):
             head = heads[i * ALIGNMENT_BYTES:(i + 1) * ALIGNMENT_BYTES]
             tail = tails[(i + 1) * ALIGNMENT_BYTES - fmt.TRAILER_BYTES:(i + 1) * ALIGNMENT_BYTES]
-            scans.append(_classify(array, region, region_size_bytes, generation, head, tail))
+            scans.append(_classify(array, region, region_size_bytes, generation, head, tail, seq_floor))
     return scans
 
 
-def _classify(array, region, region_size_bytes, generation, head, tail) -> RegionScan:
+def _classify(array, region, region_size_bytes, generation, head, tail, seq_floor=0) -> RegionScan:
     try:
         header = fmt.decode_region_header(head)
     except fmt.RegionFormatError as exc:
         return RegionScan(region, "free", note=str(exc))
+    span_max = seq_span_max(region_size_bytes)
+    bound = header.base_seq + span_max  # any generation: its blocks may still lie in this region
     if header.generation != generation or header.region_index != region:
-        return RegionScan(region, "free", note="region header of an older generation")
+        return RegionScan(region, "free", note="region header of an older generation", seq_bound=bound)
+    if header.base_seq <= seq_floor:
+        return RegionScan(region, "free", note=f"region base_seq {header.base_seq} is not above the store's seq "
+                          f"floor {seq_floor} (erased)", seq_bound=bound)
     try:
         trailer = fmt.decode_trailer(tail)
         if (trailer.generation, trailer.base_seq, trailer.region_index) != (generation, header.base_seq, region):
             raise fmt.RegionFormatError("trailer of an older use of this region")
         entries = _read_summary(array, region, region_size_bytes, trailer)
-        return RegionScan(region, "sealed", trailer.base_seq, trailer.last_seq, trailer.data_end, entries)
+        entries, dropped = _in_span(entries, header.base_seq, span_max)
+        last = min(trailer.last_seq, header.base_seq + span_max)
+        note = f"{dropped} summary entries outside the region's seq span dropped" if dropped else ""
+        return RegionScan(region, "sealed", trailer.base_seq, last, trailer.data_end, entries, dropped, note,
+                          seq_bound=bound)
     except fmt.RegionFormatError as exc:
         note = f"open or torn region ({exc}); blocks scanned"
     image = aligned_buffer(region_size_bytes)
@@ -81,7 +106,14 @@ def _classify(array, region, region_size_bytes, generation, head, tail) -> Regio
     entries, data_end, dropped = scan_open_image(image, header.base_seq)
     last = int(entries["seq"].max()) if len(entries) else header.base_seq
     kind = "open" if len(entries) else "free"
-    return RegionScan(region, kind, header.base_seq, last, data_end, entries, dropped, note, image)
+    return RegionScan(region, kind, header.base_seq, last, data_end, entries, dropped, note, image, bound)
+
+
+def _in_span(entries: np.ndarray, base_seq: int, span_max: int) -> tuple[np.ndarray, int]:
+    """The entries whose seq lies in (base_seq, base_seq + span_max], and how many were not."""
+    seq = entries["seq"]
+    ok = (seq > np.uint64(base_seq)) & (seq - np.uint64(base_seq) <= np.uint64(span_max))
+    return (entries, 0) if ok.all() else (entries[ok], int(len(entries) - np.count_nonzero(ok)))
 
 
 def _read_summary(array, region, region_size_bytes, trailer) -> np.ndarray:
@@ -103,6 +135,7 @@ def scan_open_image(image: memoryview, base_seq: int) -> tuple[np.ndarray, int, 
     something that looked like a block but failed its checks.
     """
     size = image.nbytes
+    seq_max = base_seq + seq_span_max(size)
     pos = fmt.REGION_HEADER_BYTES
     prev_seq = base_seq
     rows = []
@@ -113,8 +146,8 @@ def scan_open_image(image: memoryview, base_seq: int) -> tuple[np.ndarray, int, 
         except BlockFormatError:
             break
         end = pos + header.block_size
-        if header.seq <= prev_seq or end + fmt.summary_bytes(len(rows) + 1) > size:
-            break
+        if header.seq <= prev_seq or header.seq > seq_max or end + fmt.summary_bytes(len(rows) + 1) > size:
+            break  # older (an earlier use of the region, an erased generation), implausible or too long
         try:
             verify_block(image[pos:end])
         except BlockFormatError:
@@ -140,12 +173,13 @@ def _durable_entries(image: memoryview, base_seq: int, data_end: int, blocks: li
     only lends its flags to the scanned block it matches exactly; metadata records are returned."""
     by_offset = {row[5]: row for row in blocks}
     size = image.nbytes
+    seq_max = base_seq + seq_span_max(size)
     meta = []
     prev_seq = base_seq
     index = 0
     while (position := fmt.entry_position(size, index)) >= data_end:
         k0, k1, ns, seq, target, offset, length, kind, flags = fmt.ENTRY_STRUCT.unpack_from(image, position)
-        if seq <= prev_seq or (kind != fmt.KIND_BLOCK and kind not in _META_KINDS):
+        if seq <= prev_seq or seq > seq_max or (kind != fmt.KIND_BLOCK and kind not in _META_KINDS):
             break
         if kind == fmt.KIND_BLOCK:
             row = by_offset.get(offset)

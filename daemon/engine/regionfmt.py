@@ -176,5 +176,18 @@ def keys_to_halves(keys) -> tuple[np.ndarray, np.ndarray]:
     return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
+def key_buffer_to_halves(keys_buf) -> tuple[np.ndarray, np.ndarray]:
+    """N keys given as one contiguous buffer of N x 16 bytes (bytes, bytearray, memoryview, a
+    C-contiguous NumPy array) -> (k0, k1), without a per-key step."""
+    try:
+        view = memoryview(keys_buf).cast("B")
+    except TypeError as exc:
+        raise ValueError(f"keys buffer must be C-contiguous: {exc}") from exc
+    if view.nbytes % 16:
+        raise ValueError(f"keys buffer of {view.nbytes} bytes is not a whole number of 16-byte keys")
+    pairs = np.frombuffer(view, dtype="<u8").reshape(-1, 2)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
 def halves_to_key(k0: int, k1: int) -> bytes:
     return struct.pack("<QQ", int(k0), int(k1))

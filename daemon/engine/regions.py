@@ -43,6 +43,7 @@ class RegionTable:
         # the region can carry forward the ones still needed: {region: [(kind, k0, k1, ns, seq, target_seq)]}
         self.meta_records: dict[int, list[tuple]] = {}
         self._free: deque[int] = deque(range(region_count))
+        self._seal_in_flight: int | None = None  # tracked by the policy, not yet a victim
 
     # -- lifecycle -------------------------------------------------------
     def take_free(self) -> int | None:
@@ -58,12 +59,25 @@ class RegionTable:
         self.last_access_s[region] = now_s
         self.meta_records.pop(region, None)
 
-    def seal(self, region: int, last_seq: int, data_end: int) -> None:
+    def seal_started(self, region: int) -> None:
+        """The region's image went to the sealer: the policy orders it from now (so its place, and
+        reads of it meanwhile, do not depend on when the write completes); it is no victim until
+        :meth:`seal`."""
         assert self.state[region] == RegionState.OPEN, f"region {region} sealed while {self.state[region]}"
+        assert self._seal_in_flight is None, f"region {self._seal_in_flight} is still being sealed"
+        self.policy.track(region)
+        self._seal_in_flight = region
+
+    def seal(self, region: int, last_seq: int, data_end: int) -> None:
+        """The seal write completed (the policy tracks the region from :meth:`seal_started`, or now)."""
+        assert self.state[region] == RegionState.OPEN, f"region {region} sealed while {self.state[region]}"
+        if self._seal_in_flight == region:
+            self._seal_in_flight = None
+        else:
+            self.policy.track(region)
         self.state[region] = RegionState.SEALED
         self.last_seq[region] = last_seq
         self.data_end[region] = data_end
-        self.policy.track(region)
 
     def restore_sealed(self, region: int, base_seq: int, last_seq: int, data_end: int, now_s: float) -> None:
         """Recovery: a region found sealed on flash (call in seal order)."""
@@ -80,6 +94,14 @@ class RegionTable:
         self.state[region] = RegionState.FREE
         self.live_blocks[region] = self.live_bytes[region] = self.pinned_bytes[region] = 0
         self.meta_records.pop(region, None)
+
+    def discard_open(self, region: int) -> None:
+        """An open region given up without a seal (it only staged copies): free again, taken first."""
+        assert self.state[region] == RegionState.OPEN, f"region {region} discarded while {self.state[region]}"
+        self.state[region] = RegionState.FREE
+        self.live_blocks[region] = self.live_bytes[region] = self.pinned_bytes[region] = 0
+        self.meta_records.pop(region, None)
+        self._free.appendleft(region)
 
     def reset_all(self) -> None:
         for region in list(self.policy.candidates()):
@@ -108,11 +130,13 @@ class RegionTable:
     # -- queries ---------------------------------------------------------
     def victim(self) -> int | None:
         """The first sealed region, in policy order, that may be reclaimed."""
+        return next(iter(self.victims()), None)
+
+    def victims(self) -> list[int]:
+        """Every sealed region that may be reclaimed, in policy order (first to evict first)."""
         limit = self.region_capacity_bytes * RECLAIM_PINNED_FRACTION_MAX
-        for region in self.policy.candidates():
-            if self.pinned_bytes[region] <= limit:
-                return region
-        return None
+        return [region for region in self.policy.candidates()
+                if self.state[region] == RegionState.SEALED and self.pinned_bytes[region] <= limit]
 
     def region_of_seq(self, seq: int) -> int | None:
         """The sealed or open region whose seq span holds ``seq``, if any."""

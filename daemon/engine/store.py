@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,6 +17,8 @@ from kvtier.client.stripe import StripeGeometry
 from .config import EngineConfig
 from .devices import Device, FileDevice, aligned_buffer
 from .errors import DeviceError, GeometryError
+from .raid0 import StripedArray
+from .recovery import scan_regions
 from .superblock import DATA_OFFSET_BYTES, SUPERBLOCK_BYTES, Superblock, SuperblockError, decode_superblock
 
 REGION_COUNT_MIN = 2  # one open region plus one to reclaim
@@ -27,6 +30,7 @@ class StoreLayout:
     region_count: int
     generation: int
     store_uuid: bytes
+    seq_floor: int = 0  # every seq <= this is of an erased generation or store (see superblock.py)
 
 
 def open_devices(cfg: EngineConfig, create: bool) -> list[Device]:
@@ -72,11 +76,13 @@ def compute_layout(cfg: EngineConfig, devices: Sequence[Device], device_ids: tup
 
 
 def format_store(cfg: EngineConfig, devices: Sequence[Device], force: bool) -> StoreLayout:
+    old = read_superblocks(devices)
     if not force:
-        for device, sb in zip(devices, read_superblocks(devices)):
+        for device, sb in zip(devices, old):
             if isinstance(sb, Superblock):
                 raise GeometryError(f"device {device.name} already holds kvtier store {sb.store_uuid.hex()}; "
                                     f"formatting it needs force=True (erases the store)")
+    seq_floor = erased_seq_floor(devices, old)
     uuids = tuple(secrets.token_bytes(16) for _ in devices)
     device_data_bytes, regions = compute_layout(cfg, devices, tuple(u.hex() for u in uuids))
     store_uuid = secrets.token_bytes(16)
@@ -84,13 +90,42 @@ def format_store(cfg: EngineConfig, devices: Sequence[Device], force: bool) -> S
     page = aligned_buffer(SUPERBLOCK_BYTES)
     for index, device in enumerate(devices):
         sb = Superblock(store_uuid, generation, index, uuids, device.size_bytes, cfg.stripe_size_bytes,
-                        cfg.region_size_bytes, DATA_OFFSET_BYTES, device_data_bytes)
+                        cfg.region_size_bytes, DATA_OFFSET_BYTES, device_data_bytes, seq_floor)
         page[:] = sb.encode()
         device.write(0, [page])
         device.sync()
     geometry = StripeGeometry(tuple(u.hex() for u in uuids), cfg.stripe_size_bytes, DATA_OFFSET_BYTES,
                               device_data_bytes)
-    return StoreLayout(geometry, regions, generation, store_uuid)
+    return StoreLayout(geometry, regions, generation, store_uuid, seq_floor)
+
+
+def erased_seq_floor(devices: Sequence[Device], sbs: Sequence[Superblock | SuperblockError]) -> int:
+    """The seq floor a new store on these devices starts above: the old store's floor and every
+    seq its regions may hold (their header and trailer pages, read with the old geometry), so no
+    block of the old store left on flash can pass for a new one in a reused region. 0 without
+    an old store; only the floors when the old superblocks do not describe one whole store."""
+    valid = [sb for sb in sbs if isinstance(sb, Superblock)]
+    if not valid:
+        return 0
+    floor = max(sb.seq_floor for sb in valid)
+    ref = valid[0]
+    whole = (len(valid) == len(devices) == len(ref.device_uuids)
+             and sorted(sb.device_index for sb in valid) == list(range(len(devices)))
+             and all((sb.store_uuid, sb.device_uuids, sb.region_size_bytes, sb.stripe_size_bytes,
+                      sb.data_offset_bytes, sb.device_data_bytes)
+                     == (ref.store_uuid, ref.device_uuids, ref.region_size_bytes, ref.stripe_size_bytes,
+                         ref.data_offset_bytes, ref.device_data_bytes) for sb in valid)
+             and all(d.size_bytes >= sb.data_offset_bytes + sb.device_data_bytes for d, sb in zip(devices, valid)))
+    if not whole:
+        return floor
+    ordered = [device for _, device in sorted(zip((sb.device_index for sb in valid), devices), key=lambda p: p[0])]
+    geometry = StripeGeometry(tuple(u.hex() for u in ref.device_uuids), ref.stripe_size_bytes,
+                              ref.data_offset_bytes, ref.device_data_bytes)
+    regions = ref.device_data_bytes * len(devices) // ref.region_size_bytes
+    generation = max(sb.generation for sb in valid)
+    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="kvtier-format") as pool:
+        scans = scan_regions(StripedArray(ordered, geometry, pool), regions, ref.region_size_bytes, generation)
+    return max([floor] + [max(scan.seq_bound, scan.last_seq) for scan in scans])
 
 
 def validate_store(cfg: EngineConfig, devices: Sequence[Device]) -> StoreLayout:
@@ -128,20 +163,21 @@ def validate_store(cfg: EngineConfig, devices: Sequence[Device]) -> StoreLayout:
         if sb.device_uuids != ref.device_uuids or sb.device_data_bytes != ref.device_data_bytes:
             raise GeometryError(f"device {device.name} disagrees with the other devices on the store's geometry")
     generation = max(sb.generation for sb in sbs)
-    if any(sb.generation != generation for sb in sbs):  # a crash during delete_all: finish it
-        write_generation(devices, sbs, generation)
+    seq_floor = max(sb.seq_floor for sb in sbs)
+    if any((sb.generation, sb.seq_floor) != (generation, seq_floor) for sb in sbs):
+        write_generation(devices, sbs, generation, seq_floor)  # a crash during delete_all: finish it
     geometry = StripeGeometry(tuple(u.hex() for u in ref.device_uuids), ref.stripe_size_bytes,
                               ref.data_offset_bytes, ref.device_data_bytes)
     regions = ref.device_data_bytes * count // ref.region_size_bytes
-    return StoreLayout(geometry, regions, generation, ref.store_uuid)
+    return StoreLayout(geometry, regions, generation, ref.store_uuid, seq_floor)
 
 
-def write_generation(devices: Sequence[Device], sbs: Sequence[Superblock], generation: int) -> None:
-    """Rewrite every superblock with ``generation`` (delete_all), syncing each."""
+def write_generation(devices: Sequence[Device], sbs: Sequence[Superblock], generation: int, seq_floor: int) -> None:
+    """Rewrite every superblock with ``generation`` and ``seq_floor`` (delete_all), syncing each."""
     page = aligned_buffer(SUPERBLOCK_BYTES)
     for device, sb in zip(devices, sbs):
         page[:] = Superblock(sb.store_uuid, generation, sb.device_index, sb.device_uuids, sb.device_size_bytes,
                              sb.stripe_size_bytes, sb.region_size_bytes, sb.data_offset_bytes,
-                             sb.device_data_bytes).encode()
+                             sb.device_data_bytes, seq_floor).encode()
         device.write(0, [page])
         device.sync()

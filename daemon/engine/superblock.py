@@ -18,6 +18,9 @@ Every device starts with one 4 KiB superblock; the data area follows at
     72     8    data_offset_bytes
     80     8    device_data_bytes
     88     16*N device uuids, in stripe order
+    1112   8    seq_floor          every seq <= this belongs to an erased store or generation
+                                   (delete_all, format): recovery ignores it. 0 in superblocks
+                                   written before the field existed (zeros there): no floor
     4092   4    CRC32C of bytes 0..4091
 """
 from __future__ import annotations
@@ -34,7 +37,9 @@ DATA_OFFSET_BYTES = 64 * 1024  # room for the superblock (and future metadata) b
 DEVICE_COUNT_MAX = 64  # the uuid list must fit the superblock page
 _FIXED = struct.Struct("<4sHHHH16sQ16sQIQQQ")
 assert _FIXED.size == 88, _FIXED.size
-assert _FIXED.size + 16 * DEVICE_COUNT_MAX + 4 <= SUPERBLOCK_BYTES
+SEQ_FLOOR_OFFSET = _FIXED.size + 16 * DEVICE_COUNT_MAX  # just past the longest uuid list
+_SEQ_FLOOR = struct.Struct("<Q")
+assert SEQ_FLOOR_OFFSET == 1112 and SEQ_FLOOR_OFFSET + _SEQ_FLOOR.size + 4 <= SUPERBLOCK_BYTES
 
 
 class SuperblockError(ValueError):
@@ -52,8 +57,11 @@ class Superblock:
     region_size_bytes: int
     data_offset_bytes: int
     device_data_bytes: int
+    seq_floor: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seq_floor < 1 << 64:
+            raise SuperblockError(f"seq floor {self.seq_floor} is outside 0..2**64-1")
         if not 1 <= len(self.device_uuids) <= DEVICE_COUNT_MAX:
             raise SuperblockError(f"device count {len(self.device_uuids)} is outside 1..{DEVICE_COUNT_MAX}")
         if not 0 <= self.device_index < len(self.device_uuids):
@@ -68,7 +76,8 @@ class Superblock:
                             self.store_uuid, self.generation, self.device_uuid, self.device_size_bytes,
                             self.stripe_size_bytes, self.region_size_bytes, self.data_offset_bytes,
                             self.device_data_bytes)
-        body = (fixed + b"".join(self.device_uuids)).ljust(SUPERBLOCK_BYTES - 4, b"\0")
+        body = ((fixed + b"".join(self.device_uuids)).ljust(SEQ_FLOOR_OFFSET, b"\0")
+                + _SEQ_FLOOR.pack(self.seq_floor)).ljust(SUPERBLOCK_BYTES - 4, b"\0")
         return body + struct.pack("<I", crc32c.crc32c(body))
 
 
@@ -88,7 +97,9 @@ def decode_superblock(page) -> Superblock:
     if not 1 <= count <= DEVICE_COUNT_MAX:
         raise SuperblockError(f"device count {count} is outside 1..{DEVICE_COUNT_MAX}")
     uuids = tuple(bytes(view[_FIXED.size + 16 * i:_FIXED.size + 16 * (i + 1)]) for i in range(count))
-    sb = Superblock(bytes(store_uuid), generation, index, uuids, size, stripe, region, data_off, data_bytes)
+    (seq_floor,) = _SEQ_FLOOR.unpack_from(view, SEQ_FLOOR_OFFSET)
+    sb = Superblock(bytes(store_uuid), generation, index, uuids, size, stripe, region, data_off, data_bytes,
+                    seq_floor)
     if sb.device_uuid != bytes(device_uuid):
         raise SuperblockError("device uuid is not in the superblock's own device list")
     return sb
