@@ -8,6 +8,7 @@ The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
     stripe_size = "1m"
     region_size = "64m"
     eviction = "fifo"           # or "lru"
+    reinsert_hits = 0           # reinsert blocks read this often on eviction (0: pinned only)
     listen = "127.0.0.1:7410"
     admin = "127.0.0.1:7411"    # or "none"
     token_file = "/etc/kvtier/token"
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, fields, replace
 EMBEDDED_DEVICE_COUNT = 4  # the embedded default: 4 file-backed devices, RAID0
 EMBEDDED_DEVICE_SIZE_BYTES = 1 << 30  # 1 GiB each: room to try kvtier without a disk to spare
 MAX_CONNECTIONS_LIMIT = 65536  # one thread per connection: beyond this, use more daemons
+REINSERT_HITS_MAX = 255  # the engine counts reads in one byte per index slot
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTIONS = ("fifo", "lru")
 _SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -89,6 +91,7 @@ class DaemonConfig:
     stripe_size_bytes: int = 1 << 20
     region_size_bytes: int = 64 << 20
     eviction: str = "fifo"
+    reinsert_hits: int = 0
     listen: str = "127.0.0.1:7410"
     admin: str = "127.0.0.1:7411"
     token_file: str | None = None
@@ -104,6 +107,8 @@ class DaemonConfig:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction: {self.eviction!r} is not one of {EVICTIONS}")
+        if not 0 <= self.reinsert_hits <= REINSERT_HITS_MAX:
+            raise ConfigError(f"reinsert_hits: {self.reinsert_hits} is outside 0..{REINSERT_HITS_MAX}")
         if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
             raise ConfigError(f"max_connections: {self.max_connections} is outside 1..{MAX_CONNECTIONS_LIMIT}")
         if not self.frame_timeout_s > 0:
@@ -144,7 +149,7 @@ class DaemonConfig:
         from kvtier.daemon.engine import EngineConfig
         return EngineConfig(device_paths=self.device_paths, device_size_bytes=self.device_size_bytes,
                             stripe_size_bytes=self.stripe_size_bytes, region_size_bytes=self.region_size_bytes,
-                            eviction=self.eviction)
+                            eviction=self.eviction, reinsertion_hits_min=self.reinsert_hits)
 
 
 # TOML key -> (DaemonConfig field, converter)
@@ -189,6 +194,7 @@ _TOML_KEYS = {
     "stripe_size": ("stripe_size_bytes", _size("stripe_size")),
     "region_size": ("region_size_bytes", _size("region_size")),
     "eviction": ("eviction", _str("eviction")),
+    "reinsert_hits": ("reinsert_hits", _int("reinsert_hits")),
     "listen": ("listen", _str("listen")),
     "admin": ("admin", _str("admin")),
     "token_file": ("token_file", _str("token_file")),
@@ -229,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stripe-size", help="RAID0 stripe unit (default 1m)")
     ap.add_argument("--region-size", help="region size (default 64m)")
     ap.add_argument("--eviction", choices=EVICTIONS)
+    ap.add_argument("--reinsert-hits", type=int,
+                    help="on eviction, keep blocks read at least this often since written (default 0: pinned only)")
     ap.add_argument("--listen", help="data address HOST:PORT (default 127.0.0.1:7410; port 0 = free)")
     ap.add_argument("--admin", help="admin HTTP address HOST:PORT or 'none' (default 127.0.0.1:7411)")
     ap.add_argument("--token-file", help="file holding the shared auth token")
@@ -249,7 +257,7 @@ def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
         "device_size": ("device_size_bytes", _size("--device-size")),
         "stripe_size": ("stripe_size_bytes", _size("--stripe-size")),
         "region_size": ("region_size_bytes", _size("--region-size")),
-        "eviction": ("eviction", str), "listen": ("listen", str), "admin": ("admin", str),
+        "eviction": ("eviction", str), "reinsert_hits": ("reinsert_hits", int), "listen": ("listen", str), "admin": ("admin", str),
         "token_file": ("token_file", str), "log_level": ("log_level", str),
         "max_connections": ("max_connections", int), "frame_timeout": ("frame_timeout_s", float),
     }

@@ -25,12 +25,15 @@ def test_flags_override_the_file(tmp_path):
     assert cfg.region_size_bytes == 8 << 20 and cfg.stripe_size_bytes == 256 << 10 and cfg.frame_timeout_s == 5.0
     assert cfg.listen_address == ("127.0.0.1", 0) and cfg.admin_address is None
     assert cfg.device_paths == ("/dev/a", "/dev/b")
+    hot = config_from_args(["--reinsert-hits", "3"])
+    assert hot.reinsert_hits == 3 and hot.engine_config().reinsertion_hits_min == 3
     assert config_from_args(["--data-dir", "/x"]).device_paths == tuple(f"/x/device{i}.img" for i in range(4))
 
 
 def test_bad_settings_name_themselves(tmp_path):
     for text, fragment in (("eviction = 'random'", "eviction"), ("frame_timeout = 'soon'", "frame_timeout"),
-                           ("device = 3", "device"), ("admin = 'nowhere'", "admin")):
+                           ("device = 3", "device"), ("admin = 'nowhere'", "admin"),
+                           ("reinsert_hits = 300", "reinsert_hits"), ("reinsert_hits = 'often'", "reinsert_hits")):
         cfg_file = tmp_path / "k.toml"
         cfg_file.write_text(text + "\n")
         with pytest.raises(ConfigError, match=fragment):
