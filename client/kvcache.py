@@ -161,7 +161,7 @@ class KVCache:
             return 0
         first_missing = len(keys)
         for daemon, idx in self._by_owner(keys).items():
-            present = daemon.client.lookup([keys[i] for i in idx])
+            present = daemon.client.lookup([keys[i] for i in idx], ns_id=self.namespace.id)
             if present < len(idx):
                 first_missing = min(first_missing, idx[present])
         return first_missing
@@ -312,7 +312,7 @@ class KVCache:
         tcp_idx = list(range(len(keys)))
         fallbacks = 0
         if daemon.reader is not None:
-            present, found = daemon.client.lookup_locations(keys)
+            present, found = daemon.client.lookup_locations(keys, ns_id=self.namespace.id)
             locations = list(found) + [None] * (len(keys) - len(found))
             span = present if prefix_only else len(keys)
             direct_idx = [i for i in range(span) if locations[i] is not None and locations[i].sealed]
@@ -352,11 +352,14 @@ class KVCache:
         """GET over TCP, split into up to ``_streams`` contiguous batches that
         run in parallel on the client's connection pool (the daemon reads
         them from its devices concurrently)."""
+        # copy=False: verified read-only views into the reply buffers, which live as
+        # long as a view does; decoding reads them once instead of copying them first
+        get = functools.partial(daemon.client.get_many, ns_id=self.namespace.id, copy=False)
         streams = min(self._streams, len(keys) // FETCH_STREAM_BLOCKS_MIN)
         if streams <= 1:
-            return daemon.client.get_many(keys)
+            return get(keys)
         bounds = [len(keys) * i // streams for i in range(streams + 1)]
-        futures = [self._io.submit(daemon.client.get_many, keys[a:b]) for a, b in zip(bounds, bounds[1:])]
+        futures = [self._io.submit(get, keys[a:b]) for a, b in zip(bounds, bounds[1:])]
         out: list = []
         for fut in futures:
             out.extend(fut.result())

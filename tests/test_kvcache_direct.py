@@ -143,7 +143,7 @@ def test_recycled_region_is_detected_and_tcp_serves_the_block(tmp_path):
             # the block is written again (a fresh location, a fresh sequence)
             cache.store(tokens, kv)
             # the race: this load uses the LOOKUP answer from before the reclaim
-            client.lookup_locations = lambda ks: (len(ks), stale[1][:len(ks)])
+            client.lookup_locations = lambda ks, ns_id=None: (len(ks), stale[1][:len(ks)])
             loaded = cache.load(tokens)
             assert loaded.num_tokens == len(tokens) and same_prefix(loaded.layers, kv, len(tokens))
             assert loaded.transports == {"tcp": 3}
