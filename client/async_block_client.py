@@ -1,6 +1,7 @@
 """AsyncBlockClient: BlockClient's methods as coroutines (asyncio).
 
-Same ops (:mod:`kvtier.client.protocol_ops`), same pool-and-retry behaviour,
+Same ops (:mod:`kvtier.client.protocol_ops`), same pool-and-retry behaviour
+(a DELETE whose request went out is not repeated after a failure either),
 same verification; the socket work uses asyncio streams. Payloads are copied
 once out of the stream buffer (asyncio streams offer no ``recv_into``); use
 the blocking client from a thread where every copy counts.
@@ -9,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
-from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, BlockLocationInfo, ClientStatistics, _lost,
+from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientStatistics, _lost, _not_repeated,
                                         geometry_from_info, limits_from_info, parse_address)
 from kvtier.client.stripe import StripeGeometry
 
@@ -43,24 +43,27 @@ class _AsyncChannel:
     def close(self) -> None:
         self.writer.close()
 
+    def idle_and_open(self) -> bool:
+        """False once the daemon closed this idle pooled connection (as far as the loop has seen)."""
+        return not (self.reader.at_eof() or self.reader.exception() is not None or self.writer.is_closing())
+
     async def exchange(self, messages: list) -> list:
         replies, first_error, sent = [], None, 0
         while len(replies) < len(messages):
             while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
-                msg = replace(messages[sent], request_id=self._next_id)
+                self.writer.writelines(self.conn.send_parts(messages[sent], request_id=self._next_id))
                 self._next_id += 1
-                self.writer.writelines(self.conn.send_parts(msg))
                 sent += 1
             await asyncio.wait_for(self.writer.drain(), self.timeout_s)
             reply = await asyncio.wait_for(self._read_reply(), self.timeout_s)
             expected = self._next_id - (sent - len(replies))
+            if reply.request_id != expected and not (isinstance(reply, p.ErrorReply) and reply.request_id == 0):
+                raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, "
+                                      f"expected {expected}")  # an error reply too: it must be for this request
             if isinstance(reply, p.ErrorReply):
                 first_error = first_error or p.RemoteError(reply.code, reply.message, reply.request_id)
-                if reply.request_id == 0:
+                if reply.request_id == 0:  # the daemon closes after a connection-level error
                     raise first_error
-            elif reply.request_id != expected:
-                raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, "
-                                      f"expected {expected}")
             replies.append(reply)
         if first_error is not None:
             raise first_error
@@ -137,6 +140,9 @@ class AsyncBlockClient:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._pool_size)
         async with self._slots:
+            while self._pool and not self._pool[-1].idle_and_open():
+                self._pool.pop().close()  # the daemon closed it while it idled
+                self._counts["reconnects"] += 1
             fresh = not self._pool
             ch = await self._connect() if fresh else self._pool.pop()
             before_in, before_out = ch.conn.bytes_received, ch.conn.bytes_sent
@@ -152,7 +158,7 @@ class AsyncBlockClient:
                 return stop.value
             except (OSError, asyncio.TimeoutError, p.ConnectionLost, p.ProtocolError) as exc:
                 ch.close()
-                raise _AsyncRetry(exc, fresh) from exc
+                raise _AsyncRetry(exc, fresh, ch.conn.bytes_sent != before_out) from exc
             except p.RemoteError as exc:
                 if exc.request_id == 0:
                     ch.close()
@@ -167,12 +173,14 @@ class AsyncBlockClient:
                 self._counts["bytes_received"] += ch.conn.bytes_received - before_in
                 self._counts["bytes_sent"] += ch.conn.bytes_sent - before_out
 
-    async def _call(self, make_op):
+    async def _call(self, make_op, repeatable: bool = True):
         try:
             return await self._run(make_op)
         except _AsyncRetry as retry:
             if retry.fresh:
                 raise _lost(retry.cause) from retry.cause
+            if retry.sent and not repeatable:  # handed to the transport: the daemon may have applied it
+                raise _not_repeated(retry.cause) from retry.cause
         self._counts["reconnects"] += 1
         try:
             return await self._run(make_op)
@@ -219,15 +227,14 @@ class AsyncBlockClient:
     async def lookup_locations(self, keys, ns_id: bytes | None = None):
         keys = list(keys)
         leading, locs = await self._call(lambda: ops.op_lookup(keys, ns_id, True, self.limits))
-        return leading, [None if loc is None else BlockLocationInfo(loc.logical_offset, loc.length, loc.seq,
-                                                                    loc.sealed) for loc in locs]
+        return leading, list(locs)
 
     async def delete(self, key) -> bool:
         return (await self.delete_many([key]))[0]
 
     async def delete_many(self, keys) -> list[bool]:
         keys = list(keys)
-        return await self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits))
+        return await self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits), repeatable=False)
 
     async def pin(self, keys) -> list[bool]:
         keys = list(keys)
@@ -258,6 +265,6 @@ class AsyncBlockClient:
 
 
 class _AsyncRetry(Exception):
-    def __init__(self, cause: BaseException, fresh: bool):
+    def __init__(self, cause: BaseException, fresh: bool, sent: bool):
         super().__init__(str(cause))
-        self.cause, self.fresh = cause, fresh
+        self.cause, self.fresh, self.sent = cause, fresh, sent

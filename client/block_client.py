@@ -2,10 +2,17 @@
 
 A small pool of TCP connections (created on demand, at most ``pool_size``);
 each call takes one, pipelines its frames on it, and gives it back, so one
-client may be shared by several threads. A connection that fails mid-call is
-dropped and the call is retried once on a fresh one (every op is safe to
-repeat: a re-put of a present key is a no-op). Blocks are verified (CRC and
-key) before they are returned; a block that fails is a miss.
+client may be shared by several threads. A pooled connection the daemon has
+closed meanwhile (a restart, a dropped idle connection) is noticed before it
+is used and replaced. A connection that fails mid-call is dropped and the
+call is retried once on a fresh one, except a DELETE whose request had
+already gone out: the daemon may have applied it, and a repeat would report
+the keys it deleted as "not found", so that call raises ConnectionLost
+instead (check with ``lookup``). Every other op gives the same result when
+repeated: a re-put of a present key is a no-op returning the stored seq,
+PIN and UNPIN set a flag and report whether each key is present, and the
+rest only read. Blocks are verified (CRC and key) before they are returned;
+a block that fails is a miss.
 
     with BlockClient("127.0.0.1:7410") as c:
         c.put(key, block); c.get(key); c.lookup(chain_keys)
@@ -13,31 +20,32 @@ key) before they are returned; a block that fails is a miss.
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
 from kvtier.client.stripe import StripeGeometry
 
-RECV_CHUNK_BYTES = 256 << 10  # frame headers and small replies; payloads land in their buffer
+RECV_CHUNK_BYTES = 64 << 10  # frame headers and small replies (payloads land in their buffer); under
+# glibc's mmap threshold: a 256 KiB recv() costs an mmap + munmap per call (~20 us)
 SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
-PIPELINE_FRAMES_MAX = 8
-ZERO_COPY = object()  # `into` marker: receive each reply into a fresh unzeroed buffer and keep views  # frames in flight per connection: bounds buffering on both sides
+REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)
+PIPELINE_FRAMES_MAX = 8  # frames in flight per connection: bounds buffering on both sides
+ZERO_COPY = object()  # `into` marker: receive each reply into a buffer of its own and keep views
 DEFAULT_PORT = 7410
 
 
-@dataclass(frozen=True)
-class BlockLocationInfo:
-    """Where a block lives in the daemon's logical space (see ``geometry()``)."""
-
-    logical_offset: int
-    length: int
-    seq: int
-    sealed: bool
+# Where a block lives in the daemon's logical space (see ``geometry()``): the
+# protocol's own frozen dataclass (logical_offset, length, seq, sealed), so a
+# LOOKUP reply's locations are handed out without a second object per key.
+BlockLocationInfo = p.Location
 
 
 @dataclass(frozen=True)
@@ -73,11 +81,13 @@ def limits_from_info(info) -> p.Limits:
                     block_bytes_max=min(d.block_bytes_max, theirs.get("block_bytes_max", d.block_bytes_max)))
 
 
-def _send_parts(sock: socket.socket, parts: list) -> None:
+def _send_parts(sock: socket.socket, parts: list) -> int:
+    """Write every buffer; the bytes the kernel took (all of them, unless it raises)."""
     views = [v for v in (memoryview(b).cast("B") for b in parts) if v.nbytes]
-    i = 0
+    i, total = 0, 0
     while i < len(views):
         n = sock.sendmsg(views[i:i + SENDMSG_IOV_MAX])
+        total += n
         while n:
             if n >= views[i].nbytes:
                 n -= views[i].nbytes
@@ -85,6 +95,56 @@ def _send_parts(sock: socket.socket, parts: list) -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
+    return total
+
+
+class ReplyBuffers:
+    """Receive buffers for ``copy=False`` replies, reused once no view of them is left.
+
+    The blocks of such a reply are handed out as views of its buffer, so a
+    buffer is free again only when the caller has dropped every view. The
+    buffers are ``bytearray`` objects, which refuse to change size while any
+    memoryview of them exists (and anything built on one, e.g.
+    ``np.frombuffer``, keeps its memoryview): :func:`_exported` asks exactly
+    that, on any Python version or build, instead of guessing from reference
+    counts. Reuse matters because fresh memory is paid for in page faults on the
+    first write, which cost more than the kernel's copy of the bytes: client
+    CPU for copy=False GETs of 2 MiB blocks went from 1.9-2.3 to 0.8-0.9 s
+    per GiB with it (perf/bench_tcp.py --quick, development VM)."""
+
+    def __init__(self, count_max: int = REPLY_BUFFERS_MAX, bytes_max: int = RECEIVE_SCRATCH_BYTES_MAX):
+        self._buffers: list = []
+        self._count_max, self._bytes_max = count_max, bytes_max
+
+    def take(self, nbytes: int):
+        """A writable buffer of at least ``nbytes`` that nobody else references."""
+        free = [i for i in range(len(self._buffers)) if not _exported(self._buffers[i])]
+        for i in free:
+            if len(self._buffers[i]) >= nbytes:
+                return self._buffers[i]
+        if nbytes > self._bytes_max:
+            return np.empty(nbytes, np.uint8)  # never reused: no need to zero it (or to probe it later)
+        buf = bytearray(nbytes)
+        if len(self._buffers) < self._count_max:
+            self._buffers.append(buf)
+        elif free:
+            self._buffers[free[0]] = buf  # a free but too small one makes room
+        return buf
+
+
+def _exported(buf: bytearray) -> bool:
+    """True while any memoryview of ``buf`` is alive: a bytearray with buffer
+    exports raises BufferError when asked to change size. The probe drops one
+    byte and puts it back; both stay within the allocation (no copy, no move),
+    and the byte's value does not matter in a receive buffer."""
+    if not buf:
+        return False  # holds no bytes to overwrite
+    try:
+        buf.pop()
+    except BufferError:
+        return True
+    buf.append(0)
+    return False
 
 
 class _Channel:
@@ -96,6 +156,8 @@ class _Channel:
         self.conn = p.Connection(p.Role.CLIENT)
         self._next_id = 1
         self._scratch = bytearray()
+        self._views = ReplyBuffers()
+        self.wire_bytes_sent = 0  # what the kernel took: >0 since an op began means the daemon may have it
         self.info: dict = {}
         try:
             (reply,) = self.exchange([p.Hello(0, name, token or "")])
@@ -107,6 +169,16 @@ class _Channel:
     def close(self) -> None:
         self.sock.close()
 
+    def idle_and_open(self) -> bool:
+        """True if this idle pooled connection can take a request: nothing has
+        arrived on it since its last reply (an EOF, a reset, or an error frame
+        the daemon sent before closing all mean it is gone)."""
+        if self.sock.fileno() < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)
+
     def exchange(self, messages: list, into=None) -> list:
         """Pipeline ``messages`` (at most PIPELINE_FRAMES_MAX ahead) and return
         their replies in order; an error reply raises RemoteError after every
@@ -115,9 +187,9 @@ class _Channel:
         sent = 0
         while len(replies) < len(messages):
             while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
-                msg = replace(messages[sent], request_id=self._next_id)
+                self.wire_bytes_sent += _send_parts(self.sock, self.conn.send_parts(messages[sent],
+                                                                                 request_id=self._next_id))
                 self._next_id += 1
-                _send_parts(self.sock, self.conn.send_parts(msg))
                 sent += 1
             reply = self._read_reply(into if len(messages) == 1 or into is ZERO_COPY else None)
             expected = self._next_id - (sent - len(replies))
@@ -145,9 +217,8 @@ class _Channel:
                 head = conn.pending_head
                 if head is not None and head is not head_placed:
                     head_placed = head
-                    if into is ZERO_COPY:  # a buffer of its own, not zeroed: the blocks are returned as views
-                        import numpy as np
-                        conn.set_payload_buffer(np.empty(head.payload_len, np.uint8))
+                    if into is ZERO_COPY:  # the blocks are returned as views of this buffer
+                        conn.set_payload_buffer(self._views.take(head.payload_len))
                     elif into is not None and head.payload_len <= into.nbytes:
                         conn.set_payload_buffer(into)
                     elif head.payload_len <= RECEIVE_SCRATCH_BYTES_MAX:
@@ -216,21 +287,31 @@ class BlockClient:
             self.limits = limits_from_info(ch.info)
         return ch
 
+    def _pooled_or_new(self) -> tuple[_Channel, bool]:
+        """``(channel, fresh)``: an idle pooled connection that is still open, else a new one."""
+        while True:
+            try:
+                ch = self._pool.get_nowait()
+            except queue.Empty:
+                return self._connect(), True
+            if ch.idle_and_open():
+                return ch, False
+            ch.close()  # the daemon closed it while it idled
+            self._count(reconnects=1)
+
     def _run(self, make_op, into=None):
         """Drive an op generator on a pooled (or new) connection; a connection
         that fails is dropped and reported as :class:`_Retry`."""
         if self._closed:
             raise p.ClientError("the client is closed")
         with self._slots:
-            try:
-                ch, fresh = self._pool.get_nowait(), False
-            except queue.Empty:
-                ch, fresh = self._connect(), True
+            ch, fresh = self._pooled_or_new()
+            wire_before = ch.wire_bytes_sent
             try:
                 result = self._drive(make_op(), ch, into)
             except (OSError, p.ConnectionLost, p.ProtocolError) as exc:
                 ch.close()
-                raise _Retry(exc, fresh) from exc
+                raise _Retry(exc, fresh, ch.wire_bytes_sent != wire_before) from exc
             except p.RemoteError as exc:
                 (ch.close if exc.request_id == 0 else lambda: self._pool.put(ch))()
                 raise
@@ -254,13 +335,16 @@ class BlockClient:
             self._count(requests=1, bytes_received=ch.conn.bytes_received - before_in,
                         bytes_sent=ch.conn.bytes_sent - before_out)
 
-    def _call(self, make_op, into=None):
-        """Run a fresh op; if a pooled connection was dead, once more on a new one."""
+    def _call(self, make_op, into=None, repeatable: bool = True):
+        """Run a fresh op; if a pooled connection failed, once more on a new
+        one, unless the op is not ``repeatable`` and its request went out."""
         try:
             return self._run(make_op, into)
         except _Retry as retry:
             if retry.fresh:
                 raise _lost(retry.cause) from retry.cause
+            if retry.sent and not repeatable:
+                raise _not_repeated(retry.cause) from retry.cause
         self._count(reconnects=1)
         try:
             return self._run(make_op, into)
@@ -328,15 +412,17 @@ class BlockClient:
     def lookup_locations(self, keys, ns_id: bytes | None = None) -> tuple[int, list[BlockLocationInfo | None]]:
         keys = list(keys)
         leading, locs = self._call(lambda: ops.op_lookup(keys, ns_id, True, self.limits))
-        return leading, [None if loc is None else BlockLocationInfo(loc.logical_offset, loc.length, loc.seq,
-                                                                    loc.sealed) for loc in locs]
+        return leading, list(locs)
 
     def delete(self, key) -> bool:
         return self.delete_many([key])[0]
 
     def delete_many(self, keys) -> list[bool]:
+        """Per key, whether it was present (and is now deleted). Raises
+        ConnectionLost, without repeating the DELETE, if the connection failed
+        after the request went out (see the module doc)."""
         keys = list(keys)
-        return self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits))
+        return self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits), repeatable=False)
 
     def pin(self, keys) -> list[bool]:
         keys = list(keys)
@@ -374,11 +460,18 @@ class BlockClient:
 
 
 class _Retry(Exception):
-    """A connection failed during an op (internal: _call decides to retry)."""
+    """A connection failed during an op (internal: _call decides to retry).
+    ``sent``: some of the op's request bytes had gone out on it."""
 
-    def __init__(self, cause: BaseException, fresh: bool):
+    def __init__(self, cause: BaseException, fresh: bool, sent: bool):
         super().__init__(str(cause))
-        self.cause, self.fresh = cause, fresh
+        self.cause, self.fresh, self.sent = cause, fresh, sent
+
+
+def _not_repeated(exc: BaseException) -> p.ConnectionLost:
+    return p.ConnectionLost(f"connection to kvtierd failed after the DELETE was sent ({exc}); the daemon may "
+                            "have applied it, so it was not repeated (a repeat would report the keys it deleted "
+                            "as not found): look the keys up to see")
 
 
 def _lost(exc: BaseException) -> p.ClientError:

@@ -13,6 +13,11 @@ Receive states, one frame at a time::
                            \\ meta rejected -> (Rejected) -> DISCARD --payload_len--> HEADER
     any fatal error -> BROKEN (every later call raises)
 
+A server connection made with ``hello_first=True`` accepts only a HELLO frame
+(no payload, at most HELLO_META_BYTES_MAX of meta) until the server calls
+:meth:`Connection.hello_accepted`; any other frame is a fatal error raised
+from its header alone, before anything is allocated for it.
+
 Zero-copy receive: while a payload is pending, :meth:`Connection.payload_view`
 returns the unfilled part of the payload buffer (allocated only after the
 limits were checked, or supplied with :meth:`Connection.set_payload_buffer`);
@@ -24,11 +29,13 @@ from __future__ import annotations
 import enum
 
 from kvtier.client import protocol_frames as f
+from kvtier.client.protocol_frames import PackedKeys  # noqa: F401  (re-exported)
 from kvtier.client.protocol_messages import (  # noqa: F401  (re-exported)
-    BATCH_COUNT_MAX, DEFAULT_LIMITS, KEY_SIZE, META_BYTES_MAX, PAYLOAD_BYTES_MAX, PROTOCOL_VERSION, REPLY_BIT,
-    REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply, ErrorCode, ErrorReply, Flush,
-    FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, Lookup, LookupReply, Op, Pin, PinReply, Ping,
-    PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError, Stats, StatsReply, Unpin, UnpinReply, DEFERRED)
+    BATCH_COUNT_MAX, DEFAULT_LIMITS, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX, PAYLOAD_BYTES_MAX,
+    PROTOCOL_VERSION, REPLY_BIT, REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply,
+    ErrorCode, ErrorReply, Flush, FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, LocationRecords,
+    Lookup, LookupReply, Op, Pin, PinReply, Ping, PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError,
+    Stats, StatsReply, Unpin, UnpinReply, DEFERRED)
 
 
 class Role(enum.Enum):
@@ -60,9 +67,12 @@ class _State(enum.Enum):
 class Connection:
     """One side of one connection: frames in, messages out, and back."""
 
-    def __init__(self, role: Role, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, role: Role, limits: Limits = DEFAULT_LIMITS, *, hello_first: bool = False):
+        if hello_first and role is not Role.SERVER:
+            raise ValueError("hello_first is a server-side rule")
         self.role = role
         self.limits = limits
+        self._awaiting_hello = hello_first
         self._decoders = f.REQUEST_DECODERS if role is Role.SERVER else f.REPLY_DECODERS
         self._buf = bytearray()
         self._eof = False
@@ -75,6 +85,25 @@ class Connection:
         self._error: ProtocolError | None = None
         self.bytes_received = 0
         self.bytes_sent = 0
+
+    # -- the before-HELLO rule ------------------------------------------------
+    @property
+    def awaiting_hello(self) -> bool:
+        """True while only a HELLO frame is accepted (see the module doc)."""
+        return self._awaiting_hello
+
+    def hello_accepted(self) -> None:
+        """The peer's HELLO succeeded: frames up to the full limits are accepted from now on."""
+        self._awaiting_hello = False
+
+    def _check_before_hello(self, head: f.FrameHead) -> None:
+        if head.op != Op.HELLO:
+            raise ProtocolError(ErrorCode.AUTH, f"the first frame must be HELLO, got op {head.op:#04x}; "
+                                "nothing else is read before HELLO succeeds", head.request_id)
+        if head.payload_len or head.meta_len > HELLO_META_BYTES_MAX:
+            raise ProtocolError(ErrorCode.LIMIT, f"HELLO of {head.meta_len} meta and {head.payload_len} payload "
+                                f"bytes is over the before-HELLO limit of {HELLO_META_BYTES_MAX} meta bytes "
+                                "and no payload", head.request_id)
 
     # -- receiving ----------------------------------------------------------
     def receive_data(self, data) -> None:
@@ -166,6 +195,8 @@ class Connection:
                 if len(self._buf) < f.FRAME_HEADER_SIZE:
                     return self._need(f.FRAME_HEADER_SIZE)
                 self._head = self._check_role(f.parse_header(self._buf, self.limits))
+                if self._awaiting_hello:
+                    self._check_before_hello(self._head)
                 del self._buf[:f.FRAME_HEADER_SIZE]
                 self._state = _State.META
             elif state is _State.META:
@@ -241,12 +272,17 @@ class Connection:
         return event
 
     # -- sending ------------------------------------------------------------
-    def send_parts(self, message) -> list:
-        """``[header + meta, payload views...]`` for ``sendmsg`` (no payload copy)."""
+    def send_parts(self, message, request_id: int | None = None) -> list:
+        """``[header + meta, payload views...]`` for ``sendmsg`` (no payload copy).
+        ``request_id`` replaces the message's own (a client numbers frames as it
+        sends them; a copy of a 1024-key message just for its id costs more
+        than encoding it)."""
         is_request = isinstance(message, REQUEST_TYPES)
         if is_request != (self.role is Role.CLIENT):
             raise TypeError(f"a {self.role.value} cannot send {type(message).__name__}")
         op, flags, rid, count, meta, payload, status = f.encode_message(message)
+        if request_id is not None:
+            rid = request_id
         if not 0 <= rid <= f.REQUEST_ID_MAX:
             raise ValueError(f"request id {rid} does not fit 64 bits")
         payload_len = sum(p.nbytes for p in payload)

@@ -24,7 +24,10 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable
+
+import numpy as np
 
 from kvtier.client import protocol_messages as m
 from kvtier.client.protocol_messages import ErrorCode, Limits, Op, ProtocolError
@@ -45,6 +48,9 @@ _PUT_ITEM = struct.Struct("<16sI")  # key, block length
 _LOCATION = struct.Struct("<QIQB3x")  # logical_offset, length, seq, flags (1 present, 2 sealed)
 assert _LOCATION.size == 24
 _LOC_PRESENT, _LOC_SEALED = 0x1, 0x2
+_LOCATION_RECORD = np.dtype([("logical_offset", "<u8"), ("length", "<u4"), ("seq", "<u8"), ("flags", "u1"),
+                             ("pad", "V3")])  # _LOCATION as columns
+assert _LOCATION_RECORD.itemsize == _LOCATION.size
 DEFERRED_LENGTH = 0xFFFFFFFF  # GET reply: item not sent in this reply (payload limit), ask again
 REQUEST_ID_MAX = 2**64 - 1
 
@@ -123,7 +129,62 @@ def _meta_keys(head: FrameHead, meta: bytes, limits: Limits) -> tuple[bytes | No
         raise _reject(head, ErrorCode.BAD_REQUEST,
                       f"key section of {len(meta) - off} bytes does not hold {head.count} keys of "
                       f"{m.KEY_SIZE} bytes (wrong key size?)")
-    return ns, tuple([meta[i:i + m.KEY_SIZE] for i in range(off, len(meta), m.KEY_SIZE)])
+    return ns, split_keys(meta, off)
+
+
+_KEY_DTYPE = np.dtype(f"V{m.KEY_SIZE}")  # opaque 16-byte items: .tolist() gives bytes, nothing stripped
+
+
+class PackedKeys(Sequence):
+    """The keys of a received batch as they came off the wire: ``packed`` is
+    count x 16 bytes. A consumer that works on the whole batch takes it as is
+    (the engine probes its index with the two uint64 halves of each key, one
+    ``np.frombuffer``); the keys as ``bytes`` objects are split off only when
+    someone indexes or iterates, once, in one vectorized pass (a Python slice
+    per key costs ~6x more). Compares and hashes like the tuple of its keys."""
+
+    __slots__ = ("packed", "_keys")
+
+    def __init__(self, packed: bytes):
+        if len(packed) % m.KEY_SIZE:
+            raise ValueError(f"{len(packed)} bytes is not a whole number of {m.KEY_SIZE}-byte keys")
+        self.packed = packed
+        self._keys: tuple[bytes, ...] | None = None
+
+    def as_tuple(self) -> tuple[bytes, ...]:
+        if self._keys is None:
+            self._keys = tuple(np.frombuffer(self.packed, _KEY_DTYPE).tolist())
+        return self._keys
+
+    def __len__(self) -> int:
+        return len(self.packed) // m.KEY_SIZE
+
+    def __getitem__(self, index):
+        return self.as_tuple()[index]
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __contains__(self, key) -> bool:
+        return key in self.as_tuple()
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PackedKeys):
+            return self.packed == other.packed
+        if isinstance(other, tuple):
+            return self.as_tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return f"PackedKeys({self.as_tuple()!r})"
+
+
+def split_keys(meta, offset: int = 0) -> PackedKeys:
+    """The 16-byte keys packed in ``meta[offset:]`` (see :class:`PackedKeys`)."""
+    return PackedKeys(bytes(meta[offset:]))
 
 
 def _meta_put(head: FrameHead, meta: bytes, limits: Limits):
@@ -202,9 +263,28 @@ def _meta_lookup_reply(head: FrameHead, meta: bytes, limits: Limits):
     (leading,) = _U32.unpack_from(meta, 0)
     if not want:
         return leading, None
-    locs = tuple(m.Location(off, length, seq, bool(fl & _LOC_SEALED)) if fl & _LOC_PRESENT else None
-                 for off, length, seq, fl in _LOCATION.iter_unpack(memoryview(meta)[4:]))
-    return leading, locs
+    return leading, _decode_locations(meta, 4)
+
+
+def _decode_locations(meta: bytes, offset: int) -> tuple:
+    """Location records -> a tuple of Location / None, columns first (one
+    ``tolist`` per field instead of a struct unpack per key). The objects are
+    filled in directly: the frozen dataclass ``__init__`` (one
+    ``object.__setattr__`` per field) would double the cost per key, and
+    Location has no checks in it to skip."""
+    rec = np.frombuffer(meta, _LOCATION_RECORD, offset=offset)
+    present = (rec["flags"] & _LOC_PRESENT) != 0
+    out: list = [None] * len(rec)
+    new, cls = object.__new__, m.Location
+    for i, off, length, seq, flags in zip(np.nonzero(present)[0].tolist(), rec["logical_offset"][present].tolist(),
+                                          rec["length"][present].tolist(), rec["seq"][present].tolist(),
+                                          rec["flags"][present].tolist()):
+        loc = new(cls)
+        fields = loc.__dict__
+        fields["logical_offset"], fields["length"], fields["seq"] = off, length, seq
+        fields["sealed"] = bool(flags & _LOC_SEALED)
+        out[i] = loc
+    return tuple(out)
 
 
 def _meta_get_reply(head: FrameHead, meta: bytes, limits: Limits):
@@ -293,6 +373,18 @@ REPLY_DECODERS: dict[int, RequestDecoder] = {
 
 
 # -- encoding ---------------------------------------------------------------
+def location_records(present, logical_offset, length, seq, sealed) -> m.LocationRecords:
+    """A LOOKUP reply's locations from columns (one entry per key; the other
+    columns are ignored where ``present`` is False), encoded in one pass."""
+    present = np.asarray(present, bool)
+    rec = np.zeros(len(present), _LOCATION_RECORD)
+    rec["logical_offset"] = np.where(present, logical_offset, 0)
+    rec["length"] = np.where(present, length, 0)
+    rec["seq"] = np.where(present, seq, 0)
+    rec["flags"] = np.where(present, _LOC_PRESENT | np.where(np.asarray(sealed, bool), _LOC_SEALED, 0), 0)
+    return m.LocationRecords(rec.tobytes(), len(rec))
+
+
 def _check_key(key) -> bytes:
     key = bytes(key)
     if len(key) != m.KEY_SIZE:
@@ -358,6 +450,9 @@ def _encode_reply(msg):
     if t is m.LookupReply:
         if msg.locations is None:
             return Op.LOOKUP | R, 0, rid, 0, _U32.pack(msg.leading), [], 0
+        if type(msg.locations) is m.LocationRecords:
+            return (Op.LOOKUP | R, FLAG_WANT_LOCATIONS, rid, msg.locations.count,
+                    _U32.pack(msg.leading) + msg.locations.records, [], 0)
         parts = [_U32.pack(msg.leading)]
         pack = _LOCATION.pack
         for loc in msg.locations:

@@ -20,6 +20,8 @@ PAYLOAD_BYTES_MAX = 256 << 20  # block bytes per frame: bounds one connection's 
 NAME_BYTES_MAX = 256  # client name in HELLO: a label, not a document
 TOKEN_BYTES_MAX = 4096  # auth token in HELLO: far above any sane secret
 PING_BYTES_MAX = 4096  # PING echo body: a liveness probe, not a transfer
+HELLO_META_BYTES_MAX = 2 + NAME_BYTES_MAX + 2 + TOKEN_BYTES_MAX  # the largest valid HELLO meta section: all a
+# server reads from a peer before its HELLO succeeded (nothing is allocated for an unauthenticated peer)
 ERROR_MESSAGE_BYTES_MAX = 4096  # error text: one readable sentence or a few
 
 
@@ -111,6 +113,8 @@ class ConnectionLost(ClientError):
 
 
 # -- requests ---------------------------------------------------------------
+# Batch requests as received carry their keys as protocol_frames.PackedKeys:
+# a sequence of the 16-byte keys that compares equal to the tuple of them.
 @dataclass(frozen=True)
 class Hello:
     request_id: int
@@ -184,12 +188,31 @@ class Ping:
 # -- replies ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Location:
-    """Where a present block lives in the daemon's logical (striped) space."""
+    """Where a present block lives in the daemon's logical (striped) space.
+    (The block client hands these out as ``BlockLocationInfo``.)"""
 
     logical_offset: int
     length: int
     seq: int
     sealed: bool
+
+
+@dataclass(frozen=True)
+class LocationRecords:
+    """LOOKUP reply locations already in their wire form: ``count`` 24-byte
+    records (see ``protocol_frames.location_records``), for a sender that has
+    them as columns -- no object per key. Received replies always carry a
+    tuple of :class:`Location` / None instead."""
+
+    records: bytes
+    count: int
+
+    def __post_init__(self) -> None:
+        if len(self.records) != 24 * self.count:
+            raise ValueError(f"{len(self.records)} bytes of location records for {self.count} keys")
+
+    def __len__(self) -> int:
+        return self.count
 
 
 @dataclass(frozen=True)
@@ -202,7 +225,7 @@ class HelloReply:
 class LookupReply:
     request_id: int
     leading: int
-    locations: tuple[Location | None, ...] | None = None
+    locations: tuple[Location | None, ...] | LocationRecords | None = None
 
 
 class _Deferred:

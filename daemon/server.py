@@ -5,7 +5,14 @@ docs/protocol.md): one thread per connection. The engine is thread-safe and
 does blocking device I/O, so threads let requests on different connections
 overlap without an executor hop; payloads are received with ``recv_into``
 into a buffer sized from the frame header (after its limits are checked) and
-sent with ``sendmsg`` of header + memoryviews.
+sent with ``sendmsg`` of header + memoryviews. A request's payload (PUT) and
+its reply's blocks (GET) live in an arena the connection borrows from the
+daemon-wide pool (server_arenas) and gives back once the reply is sent.
+
+Before its HELLO succeeds a connection is read under the before-HELLO rule
+(``Connection(hello_first=True)``: one HELLO-sized frame, nothing allocated
+for anything else) and must say HELLO within ``hello_timeout_s`` of opening,
+so unauthenticated peers cost neither memory nor, for long, a connection slot.
 
 Shutdown (:meth:`DataServer.stop`): stop accepting, wake idle connections,
 let busy ones finish the requests already received, then return; the caller
@@ -21,6 +28,7 @@ import threading
 import time
 
 from kvtier.client import protocol as p
+from kvtier.daemon.server_arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server_handler import RequestHandler, Session
 from kvtier.daemon.server_stats import ServerStatistics, ServerStatsRecorder
 
@@ -29,8 +37,8 @@ log = logging.getLogger("kvtier.daemon.server")
 RECV_CHUNK_BYTES = 64 << 10  # headers and small frames; payloads go straight to their buffer
 SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 LISTEN_BACKLOG = 512  # pending connections the kernel queues
-RECEIVE_SCRATCH_BYTES_MAX = 16 << 20  # PUT payload buffer kept per connection (the engine copies blocks
-# out before the next frame is read); larger payloads get a buffer of their own
+HELLO_TIMEOUT_S = 5.0  # from accept to a successful HELLO (a client sends it first thing): an idle or
+# trickling unauthenticated peer gives its connection slot back this soon (or at the frame timeout, if shorter)
 SHUTDOWN_GRACE_S = 30.0  # how long stop() waits for in-flight requests
 CLOSE_DRAIN_BYTES_MAX = 4 << 20  # unread bytes swallowed before closing on an error, so the error frame
 CLOSE_DRAIN_S = 0.5  # is not destroyed by a TCP reset; bounded in bytes and time
@@ -59,16 +67,18 @@ class DataServer:
 
     def __init__(self, engine, host: str, port: int, *, token=lambda: None, region_size_bytes: int,
                  max_connections: int = 1024, frame_timeout_s: float = 30.0,
-                 payload_bytes_max: int = p.PAYLOAD_BYTES_MAX):
+                 payload_bytes_max: int = p.PAYLOAD_BYTES_MAX, hello_timeout_s: float | None = None,
+                 reply_arenas: ReplyArenas | None = None):
         self._engine = engine
         self._host, self._port = host, port
         self._max_connections = max_connections
         self._frame_timeout_s = frame_timeout_s
+        self._hello_timeout_s = min(HELLO_TIMEOUT_S, frame_timeout_s) if hello_timeout_s is None else hello_timeout_s
         self._limits = p.Limits(payload_bytes_max=payload_bytes_max,
                                 block_bytes_max=min(engine.block_size_max_bytes, payload_bytes_max))
         self._recorder = ServerStatsRecorder()
         self._handler = RequestHandler(engine, self._recorder, token, region_size_bytes, self._limits,
-                                       lambda: self.statistics().as_dict())
+                                       lambda: self.statistics().as_dict(), reply_arenas)
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = threading.Event()
@@ -109,6 +119,10 @@ class DataServer:
 
     def statistics(self) -> ServerStatistics:
         return self._recorder.snapshot()
+
+    def reply_arena_statistics(self) -> ReplyArenaStatistics:
+        """The request arenas (PUT payloads, GET replies) shared by all connections (see server_arenas)."""
+        return self._handler.arenas.statistics()
 
     @property
     def limits(self) -> p.Limits:
@@ -153,48 +167,58 @@ class DataServer:
 
     # -- one connection -----------------------------------------------------
     def _serve(self, sock: socket.socket, peer: str) -> None:
-        conn = p.Connection(p.Role.SERVER, self._limits)
+        conn = p.Connection(p.Role.SERVER, self._limits, hello_first=True)
         session = Session(peer)
-        sock.settimeout(self._frame_timeout_s)
         log.debug("event=connection_open peer=%s", peer)
         try:
-            self._serve_loop(sock, conn, session)
+            self._serve_loop(sock, conn, session, time.monotonic() + self._hello_timeout_s)
         except p.ProtocolError as exc:
             log.warning("event=protocol_error peer=%s code=%s error=%s", peer, exc.code.name, exc)
             self._recorder.error(exc.code.name)
             self._send_error_quietly(sock, conn, exc.request_id, exc.code, str(exc))
         except socket.timeout:
-            log.warning("event=frame_timeout peer=%s timeout_s=%s", peer, self._frame_timeout_s)
             self._recorder.error(p.ErrorCode.TIMEOUT.name)
-            self._send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
-                                     f"connection stalled mid-frame for {self._frame_timeout_s} s")
+            if conn.awaiting_hello:
+                log.warning("event=hello_timeout peer=%s timeout_s=%s", peer, self._hello_timeout_s)
+                message = f"no HELLO within {self._hello_timeout_s} s of connecting"
+            else:
+                log.warning("event=frame_timeout peer=%s timeout_s=%s", peer, self._frame_timeout_s)
+                message = f"connection stalled mid-frame for {self._frame_timeout_s} s"
+            self._send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT, message)
         except OSError as exc:
             log.info("event=connection_error peer=%s error=%s", peer, exc)
         except Exception:  # never let one connection take the daemon down
             log.exception("event=connection_crashed peer=%s", peer)
             self._recorder.error(p.ErrorCode.INTERNAL.name)
         finally:
+            self._handler.reply_sent(session)  # an arena lent to a reply that failed to go out
             sock.close()
             self._recorder.connection_closed()
             with self._lock:
                 self._threads.discard(threading.current_thread())
             log.debug("event=connection_closed peer=%s", peer)
 
-    def _serve_loop(self, sock: socket.socket, conn: p.Connection, session: Session) -> None:
+    def _serve_loop(self, sock: socket.socket, conn: p.Connection, session: Session, hello_deadline: float) -> None:
         handler, recorder = self._handler, self._recorder
-        scratch, placed = bytearray(), None
+        placed = None
         received_before = 0
         while True:
             event = conn.next_event()
             if event is p.NEED_DATA:
-                if not conn.in_frame and not self._wait_for_request(sock):
+                wait_s = None
+                if conn.awaiting_hello:  # one deadline for the whole HELLO, however the bytes trickle in
+                    wait_s = hello_deadline - time.monotonic()
+                    if wait_s <= 0:
+                        raise socket.timeout("no HELLO before the deadline")
+                    sock.settimeout(min(wait_s, self._frame_timeout_s))
+                if not conn.in_frame and not self._wait_for_request(sock, wait_s):
                     return
                 head = conn.pending_head
-                if head is not None and head is not placed and head.payload_len <= RECEIVE_SCRATCH_BYTES_MAX:
-                    if len(scratch) < head.payload_len:
-                        scratch = bytearray(head.payload_len)
-                    conn.set_payload_buffer(scratch)
-                    placed = head
+                if head is not None and head is not placed:
+                    placed = head  # an arena if it fits and one is free; else the Connection allocates one
+                    buffer = handler.payload_buffer(session, head.payload_len)
+                    if buffer is not None:
+                        conn.set_payload_buffer(buffer)
                 view = conn.payload_view()
                 if view is not None:
                     n = sock.recv_into(view)
@@ -209,7 +233,13 @@ class DataServer:
                 return
             started = time.perf_counter()
             reply, close_after = handler.handle(event, session)
-            sent = send_parts(sock, conn.send_parts(reply))
+            try:
+                sent = send_parts(sock, conn.send_parts(reply))
+            finally:
+                handler.reply_sent(session)
+            if conn.awaiting_hello and session.greeted:
+                conn.hello_accepted()  # the full limits from the next frame on
+                sock.settimeout(self._frame_timeout_s)
             op = type(event).__name__.lower() if not isinstance(event, p.Rejected) else "rejected"
             recorder.request_done(op, time.perf_counter() - started, conn.bytes_received - received_before, sent)
             received_before = conn.bytes_received  # pipelined frames already buffered count for the next one
@@ -219,12 +249,15 @@ class DataServer:
                 _linger(sock)
                 return
 
-    def _wait_for_request(self, sock: socket.socket) -> bool:
-        """Block until the idle connection has bytes (True) or we stop (False)."""
+    def _wait_for_request(self, sock: socket.socket, timeout_s: float | None) -> bool:
+        """Block until the idle connection has bytes (True) or we stop (False);
+        socket.timeout after ``timeout_s`` (None: wait as long as it takes)."""
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        ready = {fd for fd, _ in poller.poll()}
+        ready = {fd for fd, _ in poller.poll(None if timeout_s is None else max(1, int(timeout_s * 1000)))}
+        if not ready:
+            raise socket.timeout(f"idle for {timeout_s} s")
         return self._wake_r not in ready and not self._stopping.is_set()
 
     def _refuse(self, sock: socket.socket) -> None:

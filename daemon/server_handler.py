@@ -12,8 +12,13 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import numpy as np
+
 from kvtier.client import protocol as p
+from kvtier.client import protocol_frames as frames
 from kvtier.client.blockformat import BlockFormatError, decode_header
+from kvtier.daemon.engine.devices import ALIGNMENT_BYTES, aligned_buffer
+from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas  # noqa: F401  (re-exported)
 
 log = logging.getLogger("kvtier.daemon.server")
 
@@ -25,8 +30,17 @@ class Session:
     """What the server knows about one connection."""
 
     peer: str
+    greeted: bool = False  # its HELLO succeeded (with the token, when one is configured)
     authenticated: bool = False
     client_name: str = ""
+    get_arena: memoryview | None = None  # borrowed from ReplyArenas for one request (its PUT payload or its
+    # GET reply's blocks); given back once the reply is sent
+
+
+def packed_keys(keys) -> bytes:
+    """The keys as one buffer of count x 16 bytes (kept by the parser; joined otherwise)."""
+    packed = getattr(keys, "packed", None)
+    return packed if packed is not None else b"".join(keys)
 
 
 def geometry_doc(geometry) -> dict:
@@ -36,13 +50,14 @@ def geometry_doc(geometry) -> dict:
 
 class RequestHandler:
     def __init__(self, engine, stats, token: Callable[[], str | None], region_size_bytes: int,
-                 limits: p.Limits, server_statistics: Callable[[], dict]):
+                 limits: p.Limits, server_statistics: Callable[[], dict], arenas: ReplyArenas | None = None):
         self._engine = engine
         self._stats = stats
         self._token = token
         self._region_size_bytes = region_size_bytes
         self._limits = limits
         self._server_statistics = server_statistics
+        self.arenas = arenas if arenas is not None else ReplyArenas()
         from kvtier.daemon.engine import EngineError, NoSpaceError
         self._engine_error, self._no_space = EngineError, NoSpaceError
         self._dispatch = {
@@ -53,6 +68,13 @@ class RequestHandler:
 
     def handle(self, msg, session: Session):
         """``(reply, close_after)`` for one request or Rejected event."""
+        if not session.greeted and not isinstance(msg, p.Hello):
+            # The server's Connection lets nothing but HELLO frames through before this; a HELLO it
+            # refused (malformed, over its limits) ends the connection like any other first frame.
+            code, why = (msg.code, msg.message) if isinstance(msg, p.Rejected) else \
+                (p.ErrorCode.AUTH, f"got {type(msg).__name__}")
+            self._stats.error(code.name)
+            return p.ErrorReply(msg.request_id, code, f"the first frame must be a valid HELLO ({why}); closing"), True
         if isinstance(msg, p.Rejected):
             self._stats.error(msg.code.name)
             return p.ErrorReply(msg.request_id, msg.code, msg.message), False
@@ -97,31 +119,95 @@ class RequestHandler:
                 reason = "missing token" if not msg.token else "wrong token"
                 return p.ErrorReply(msg.request_id, p.ErrorCode.AUTH, f"authentication failed: {reason}"), True
             session.authenticated = True
+        session.greeted = True
         return p.HelloReply(msg.request_id, self.hello_info()), False
 
     def _lookup(self, msg: p.Lookup, session, token):
+        """The keys go to the engine as the one buffer they came in, and
+        locations come back as columns that are encoded in one pass: nothing
+        is done per key in Python."""
+        keys = packed_keys(msg.keys)
         if msg.want_locations:
-            found = self._engine.locate_many(list(msg.keys))
-            leading = 0
-            for loc in found:
-                if loc is None:
-                    break
-                leading += 1
-            locs = tuple(None if loc is None else p.Location(loc.logical_offset, loc.length, loc.seq, loc.sealed)
-                         for loc in found)
-            reply = p.LookupReply(msg.request_id, leading, locs)
+            rows = self._engine.locate_buffer(keys)
+            found = rows["found"]
+            leading = int(len(found) if found.all() else np.argmin(found))
+            locations = frames.location_records(found, rows["logical_offset"], rows["length"], rows["seq"],
+                                                rows["sealed"])
+            reply = p.LookupReply(msg.request_id, leading, locations)
         else:
-            leading = self._engine.lookup(list(msg.keys))
+            leading = self._engine.lookup_buffer(keys)
             reply = p.LookupReply(msg.request_id, leading)
         self._stats.lookup(len(msg.keys), leading)
         self._stats.namespace(msg.ns_id, leading, len(msg.keys) - leading)
         return reply, False
 
-    def _get(self, msg: p.Get, session, token):
+    def _get(self, msg: p.Get, session: Session, token):
         """Blocks in order while they fit one reply's payload limit; the rest
         come back DEFERRED for the client to ask again (always at least one).
-        A batch that cannot overflow is one engine call; otherwise it is read
-        in chunks sized from the blocks seen so far."""
+
+        The blocks are located first, so the reply's size is known before a
+        byte is read; then they are read straight into a page-aligned reply
+        arena this connection borrows from the daemon-wide pool (the engine
+        reads an aligned block there with one device read and one CRC pass,
+        no copy) and sent from it; the server gives the arena back once the
+        reply is sent (:meth:`reply_sent`). With the pool spent, the blocks
+        are copied instead."""
+        keys = msg.keys
+        if not keys:
+            return p.GetReply(msg.request_id, ()), False
+        rows = self._engine.locate_buffer(packed_keys(keys))
+        lengths = np.where(rows["found"], rows["length"], 0).astype(np.int64)
+        send = max(1, int(np.searchsorted(np.cumsum(lengths), self._limits.payload_bytes_max, side="right")))
+        hit = np.nonzero(lengths[:send])[0]
+        spans = -(-lengths[hit] // ALIGNMENT_BYTES) * ALIGNMENT_BYTES  # each block starts page-aligned
+        starts = (np.cumsum(spans) - spans).tolist()
+        arena = self._reply_buffer(session, max(int(spans.sum()), ALIGNMENT_BYTES))
+        if arena is None:  # every arena the daemon-wide budget allows is lent out
+            return self._get_copying(msg)
+        targets = [arena[start:start + span] for start, span in zip(starts, spans.tolist())]
+        try:
+            sizes = self._engine.get_many_into([keys[i] for i in hit.tolist()], targets)
+        except self._engine_error:  # a block grew since it was located (deleted and put again)
+            return self._get_copying(msg)
+        blocks: list = [None] * send + [p.DEFERRED] * (len(keys) - send)
+        for i, target, size in zip(hit.tolist(), targets, sizes):
+            if size is not None:
+                blocks[i] = target[:size]
+        hits = sum(size is not None for size in sizes)
+        self._engine.record_misses(send - len(hit))  # absent at locate time: never read
+        self._stats.namespace(msg.ns_id, hits, send - hits)
+        return p.GetReply(msg.request_id, tuple(blocks)), False
+
+    def _reply_buffer(self, session: Session, nbytes: int) -> memoryview | None:
+        """A page-aligned buffer of at least ``nbytes`` for one GET reply: the
+        session's borrowed arena, a buffer of its own for a reply larger than
+        an arena, or None when the arena budget is spent."""
+        if nbytes > self.arenas.arena_bytes:
+            return aligned_buffer(nbytes, huge=True)
+        if session.get_arena is None:
+            session.get_arena = self.arenas.acquire()
+        return session.get_arena
+
+    def payload_buffer(self, session: Session, nbytes: int) -> memoryview | None:
+        """The session's arena to receive a request payload of ``nbytes`` into
+        (the engine copies PUT blocks out before the reply is sent), or None:
+        larger than an arena, or the pool is spent (the caller allocates)."""
+        if nbytes > self.arenas.arena_bytes:
+            return None
+        if session.get_arena is None:
+            session.get_arena = self.arenas.acquire()
+        return session.get_arena
+
+    def reply_sent(self, session: Session) -> None:
+        """The last reply went out: give back the arena it was sent from (the
+        connection reads its next request only after this)."""
+        if session.get_arena is not None:
+            arena, session.get_arena = session.get_arena, None
+            self.arenas.release(arena)
+
+    def _get_copying(self, msg: p.Get):
+        """:meth:`_get` with blocks the engine returns as bytes, read in chunks
+        while they fit one reply (the sizes are learned as they come)."""
         keys = list(msg.keys)
         budget = self._limits.payload_bytes_max
         if len(keys) * self._limits.block_bytes_max <= budget:

@@ -19,6 +19,10 @@ on a noisy machine):
 7. (``--transport-compare``) the concurrency-model check: a 2 MiB echo over
    threads + blocking sockets vs asyncio + uvloop with a buffered protocol.
 
+Next to each rate, CPU seconds per GiB (and per LOOKUP key) of the daemon and
+of the client are recorded: on a shared, loaded machine the rates swing with
+the neighbours' load, the CPU cost of the work does not.
+
 Writes ``perf/out/tcp.json`` and prints a table.
 """
 from __future__ import annotations
@@ -55,6 +59,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, every thread (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+class CpuMeter:
+    """CPU seconds spent by this process and by ``pid`` over a ``with`` block.
+
+    On a shared, loaded machine wall-clock rates swing with the neighbours'
+    load; CPU seconds per byte or per key do not, so they tell whether a change
+    made the work cheaper (resolution: one clock tick, 10 ms; run long enough)."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid, self.client_s, self.server_s = pid, 0.0, 0.0
+
+    def __enter__(self) -> "CpuMeter":
+        self._c0 = time.process_time()
+        self._s0 = process_cpu_s(self.pid) if self.pid else 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client_s = time.process_time() - self._c0
+        self.server_s = (process_cpu_s(self.pid) - self._s0) if self.pid else 0.0
 
 
 def parallel(fn, parts) -> float:
@@ -95,7 +128,8 @@ def bench_kvtierd(work: Path, keys, blocks, device_size: str, region_size: str) 
             with BlockClient(d.data_addr, pool_size=1) as c:
                 for j in range(0, len(idx), BATCH_BLOCKS):
                     c.put_many([(keys[i], blocks[i]) for i in idx[j:j + BATCH_BLOCKS]])
-        put_s = parallel(put, shares)
+        with CpuMeter(d.proc.pid) as put_cpu:
+            put_s = parallel(put, shares)
         with BlockClient(d.data_addr) as c:
             t0 = time.perf_counter()
             c.flush()
@@ -110,7 +144,8 @@ def bench_kvtierd(work: Path, keys, blocks, device_size: str, region_size: str) 
                     for i, got in zip(chunk, c.get_many([keys[i] for i in chunk])):
                         if got is None or len(got) != len(blocks[i]):
                             misses[0] += 1
-        get_s = parallel(get, shares)
+        with CpuMeter(d.proc.pid) as get_cpu:
+            get_s = parallel(get, shares)
 
         def get_views(idx):
             with BlockClient(d.data_addr, pool_size=1) as c:
@@ -119,15 +154,18 @@ def bench_kvtierd(work: Path, keys, blocks, device_size: str, region_size: str) 
                     for i, got in zip(chunk, c.get_many([keys[i] for i in chunk], copy=False)):
                         if got is None or len(got) != len(blocks[i]):
                             misses[0] += 1
-        get_views_s = parallel(get_views, shares)
+        with CpuMeter(d.proc.pid) as views_cpu:
+            get_views_s = parallel(get_views, shares)
         # spot-check bytes (the client already verified CRC and key of every block)
         with BlockClient(d.data_addr) as c:
             sample = c.get(keys[len(keys) // 2])
             assert sample[HEADER_SIZE:] == blocks[len(keys) // 2][HEADER_SIZE:]
-            lookup = bench_lookup(c, keys)
+            lookup = bench_lookup(c, keys, d.proc.pid)
+        per_gib = lambda cpu: {"daemon": cpu.server_s * GiB / total, "client": cpu.client_s * GiB / total}  # noqa: E731
         return {"put_bytes_per_s": total / put_s, "put_then_flush_bytes_per_s": total / (put_s + flush_s),
                 "get_bytes_per_s": total / get_s, "get_views_bytes_per_s": total / get_views_s,
                 "get_misses": misses[0], "bytes": total, "blocks": len(blocks),
+                "cpu_s_per_gib": {"put": per_gib(put_cpu), "get": per_gib(get_cpu), "get_views": per_gib(views_cpu)},
                 **lookup}
     finally:
         d.stop()
@@ -151,28 +189,33 @@ def bench_engine_alone(work: Path, keys, blocks, device_size: str, region_size: 
         eng.close()
     eng = Engine.open(cfg)
     try:
-        get_s = parallel(lambda idx: [eng.get_many([keys[i] for i in idx[j:j + BATCH_BLOCKS]])
-                                      for j in range(0, len(idx), BATCH_BLOCKS)], shares)
+        with CpuMeter() as get_cpu:
+            get_s = parallel(lambda idx: [eng.get_many([keys[i] for i in idx[j:j + BATCH_BLOCKS]])
+                                          for j in range(0, len(idx), BATCH_BLOCKS)], shares)
         chain = [keys[i % len(keys)] for i in range(LOOKUP_CHAIN_KEYS)]
         rounds, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.5:
-            eng.lookup(chain)
-            rounds += 1
+        with CpuMeter() as lookup_cpu:
+            while time.perf_counter() - t0 < 0.5:
+                eng.lookup(chain)
+                rounds += 1
         lookup_s = (time.perf_counter() - t0) / rounds
     finally:
         eng.close()
     shutil.rmtree(work / "engine", ignore_errors=True)
     return {"engine_put_bytes_per_s": total / put_s, "engine_get_bytes_per_s": total / get_s,
-            "engine_lookup_keys_per_s": LOOKUP_CHAIN_KEYS / lookup_s}
+            "engine_lookup_keys_per_s": LOOKUP_CHAIN_KEYS / lookup_s,
+            "engine_get_cpu_s_per_gib": get_cpu.client_s * GiB / total,
+            "engine_lookup_cpu_us_per_key": lookup_cpu.client_s * 1e6 / (rounds * LOOKUP_CHAIN_KEYS)}
 
 
-def bench_lookup(c: BlockClient, keys) -> dict:
+def bench_lookup(c: BlockClient, keys, daemon_pid: int) -> dict:
     chain = [keys[i % len(keys)] for i in range(LOOKUP_CHAIN_KEYS)]
     assert c.lookup(chain) == LOOKUP_CHAIN_KEYS
     rounds, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 1.0:
-        c.lookup(chain)
-        rounds += 1
+    with CpuMeter(daemon_pid) as cpu:
+        while time.perf_counter() - t0 < 1.0:
+            c.lookup(chain)
+            rounds += 1
     one = (time.perf_counter() - t0) / rounds
     shares = [chain] * CONNECTIONS
     per_thread = max(rounds // 2, 10)
@@ -182,9 +225,23 @@ def bench_lookup(c: BlockClient, keys) -> dict:
             for _ in range(per_thread):
                 cc.lookup(ch)
     wall = parallel(spin, shares)
-    return {"lookup_keys_per_s_1conn": LOOKUP_CHAIN_KEYS / one,
+    leading, locs = c.lookup_locations(chain)
+    assert leading == LOOKUP_CHAIN_KEYS and all(loc is not None and loc.sealed for loc in locs)
+    loc_rounds, t0 = 0, time.perf_counter()
+    with CpuMeter(daemon_pid) as loc_cpu:
+        while time.perf_counter() - t0 < 1.0:
+            c.lookup_locations(chain)
+            loc_rounds += 1
+    loc_one = (time.perf_counter() - t0) / loc_rounds
+    loc_keys = loc_rounds * LOOKUP_CHAIN_KEYS
+    return {"lookup_locations_keys_per_s_1conn": LOOKUP_CHAIN_KEYS / loc_one,
+            "lookup_locations_cpu_us_per_key": {"daemon": loc_cpu.server_s * 1e6 / loc_keys,
+                                                "client": loc_cpu.client_s * 1e6 / loc_keys},
+            "lookup_keys_per_s_1conn": LOOKUP_CHAIN_KEYS / one,
             "lookup_keys_per_s_4conn": CONNECTIONS * per_thread * LOOKUP_CHAIN_KEYS / wall,
-            "lookup_rtt_ms_1024": one * 1e3}
+            "lookup_rtt_ms_1024": one * 1e3,
+            "lookup_cpu_us_per_key": {"daemon": cpu.server_s * 1e6 / (rounds * LOOKUP_CHAIN_KEYS),
+                                      "client": cpu.client_s * 1e6 / (rounds * LOOKUP_CHAIN_KEYS)}}
 
 
 def bench_fio(devices: list[Path], size: str) -> dict:
@@ -250,9 +307,13 @@ def bench_redis(keys, blocks) -> dict:
                 chunk = idx[j:j + BATCH_BLOCKS]
                 got = cl.mget([keys[i] for i in chunk])
                 assert all(g is not None and len(g) == len(blocks[i]) for g, i in zip(got, chunk))
-        put_s = parallel(put, shares)
-        get_s = parallel(get, shares)
-        return {"redis_set_bytes_per_s": total / put_s, "redis_get_bytes_per_s": total / get_s}
+        with CpuMeter(server.pid) as put_cpu:
+            put_s = parallel(put, shares)
+        with CpuMeter(server.pid) as get_cpu:
+            get_s = parallel(get, shares)
+        per_gib = lambda cpu: {"server": cpu.server_s * GiB / total, "client": cpu.client_s * GiB / total}  # noqa: E731
+        return {"redis_set_bytes_per_s": total / put_s, "redis_get_bytes_per_s": total / get_s,
+                "cpu_s_per_gib": {"set": per_gib(put_cpu), "get": per_gib(get_cpu)}}
     finally:
         server.kill()
         server.wait()
@@ -395,6 +456,11 @@ def ratios(r: dict) -> dict:
         "get_vs_engine_alone": k["get_bytes_per_s"] / r["engine_alone"]["engine_get_bytes_per_s"],
         "lookup_vs_engine_alone": max(k["lookup_keys_per_s_1conn"], k["lookup_keys_per_s_4conn"])
         / r["engine_alone"]["engine_lookup_keys_per_s"],
+        # CPU seconds (daemon + client) per GiB or key over the engine alone's: robust to a loaded machine
+        "get_views_cpu_vs_engine_alone": sum(k["cpu_s_per_gib"]["get_views"].values())
+        / r["engine_alone"]["engine_get_cpu_s_per_gib"],
+        "lookup_cpu_vs_engine_alone": sum(k["lookup_cpu_us_per_key"].values())
+        / r["engine_alone"]["engine_lookup_cpu_us_per_key"],
     }
     out["gates"] = {
         "get>=0.8x_min(fio,iperf3)": out["get_vs_min_fio_iperf3"] >= 0.8,
@@ -425,6 +491,21 @@ def print_table(r: dict) -> None:
         ("LOOKUP 1024-key chain, 1 conn", f"{k['lookup_keys_per_s_1conn'] / 1e6:7.2f} M keys/s"),
         ("LOOKUP 1024-key chain, 4 conns", f"{k['lookup_keys_per_s_4conn'] / 1e6:7.2f} M keys/s"),
     ]
+    for mode in ("put", "get", "get_views"):
+        cpu = k["cpu_s_per_gib"][mode]
+        rows.append((f"CPU s per GiB, {mode}: daemon / client", f"{cpu['daemon']:7.2f} / {cpu['client']:.2f}"))
+    rows.append(("CPU s per GiB, engine alone GET", f"{r['engine_alone']['engine_get_cpu_s_per_gib']:7.2f}"))
+    for mode in ("set", "get"):
+        cpu = rd["cpu_s_per_gib"][mode]
+        rows.append((f"CPU s per GiB, redis {mode.upper()}: server / client",
+                     f"{cpu['server']:7.2f} / {cpu['client']:.2f}"))
+    cpu = k["lookup_cpu_us_per_key"]
+    rows.append(("CPU us per key, LOOKUP: daemon / client", f"{cpu['daemon']:7.2f} / {cpu['client']:.2f}"))
+    cpu = k["lookup_locations_cpu_us_per_key"]
+    rows.append(("LOOKUP with locations, 1 conn", f"{k['lookup_locations_keys_per_s_1conn'] / 1e6:7.2f} M keys/s"))
+    rows.append(("CPU us per key, LOOKUP+locations: daemon / client", f"{cpu['daemon']:7.2f} / {cpu['client']:.2f}"))
+    rows.append(("CPU us per key, engine alone LOOKUP",
+                 f"{r['engine_alone']['engine_lookup_cpu_us_per_key']:7.2f}"))
     if "transport_compare" in r:
         for name, v in r["transport_compare"].items():
             if name.endswith("bytes_per_s"):

@@ -1,6 +1,7 @@
 """Bad input sent to a real kvtierd over raw sockets: each gets a clear error,
 the daemon keeps serving every other client, and nothing stored is lost."""
 import os
+import select
 import socket
 import struct
 import time
@@ -27,9 +28,14 @@ def daemon(tmp_path_factory):
     assert d.stop() == 0, d.log_tail()
 
 
-def raw(daemon) -> socket.socket:
+def raw(daemon, hello: bool = True, token: str = "") -> socket.socket:
+    """A raw connection; past its HELLO unless ``hello`` is False (HELLO must come first)."""
     host, _, port = daemon.data_addr.rpartition(":")
     s = socket.create_connection((host, int(port)), timeout=10)
+    if hello:
+        s.sendall(p.Connection(p.Role.CLIENT).send(p.Hello(1, "raw-test", token)))
+        (reply,) = read_replies(s)
+        assert isinstance(reply, p.HelloReply), reply
     return s
 
 
@@ -148,7 +154,7 @@ def test_more_connections_than_the_limit(daemon):
         for s in held:  # make sure each one is admitted before the extra one arrives
             s.sendall(frame(p.Op.PING, rid=1))
             assert read_replies(s) == [p.PingReply(1)]
-        with raw(daemon) as extra:
+        with raw(daemon, hello=False) as extra:
             (error,) = read_replies(extra)
             assert error.code == p.ErrorCode.BUSY and "limit 8" in error.message
     finally:
@@ -174,7 +180,7 @@ def test_wrong_or_missing_token(tmp_path):
         assert info.value.code == p.ErrorCode.AUTH
         with pytest.raises(RemoteError, match="missing token"):
             BlockClient(d.data_addr).ping()
-        with raw(d) as s:  # no HELLO at all
+        with raw(d, hello=False) as s:  # no HELLO at all
             s.sendall(frame(p.Op.GET, count=1, meta=b"k" * 16))
             (error,) = read_replies(s)
             assert error.code == p.ErrorCode.AUTH and closed_by_daemon(s)
@@ -185,3 +191,84 @@ def test_wrong_or_missing_token(tmp_path):
             assert c.server_info()["auth_required"] is True
     finally:
         assert d.stop() == 0
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (VmHWM): catches an allocation even if it was freed again."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_unauthenticated_put_headers_allocate_nothing(tmp_path):
+    """The reviewer's attack: PUT headers announcing 240 MiB payloads, no HELLO.
+    Each is refused from its header, before anything is allocated for it."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    d = start_kvtierd(tmp_path / "d", "--token-file", str(token_file))
+    try:
+        items, item_bytes = 80, 3 << 20  # under the 4 MiB region and, in all, the 256 MiB payload limit
+        meta = b"".join(struct.pack("<16sI", bytes([i]) * 16, item_bytes) for i in range(items))
+        attack = f.pack_header(p.Op.PUT, 0, 5, items, len(meta), items * item_bytes) + meta + b"x" * 4096
+        with BlockClient(d.data_addr, token="s3cret") as c:
+            c.ping()  # the daemon's baseline: one connection served
+        before = peak_rss_mib(d.pid)
+        socks = [raw(d, hello=False) for _ in range(4)]  # ~1 GiB if the payloads were allocated
+        try:
+            for s in socks:
+                s.sendall(attack)
+            for s in socks:
+                (error,) = read_replies(s)
+                assert error.code == p.ErrorCode.AUTH and "first frame must be HELLO" in error.message, error
+                assert error.request_id == 5 and closed_by_daemon(s)
+        finally:
+            for s in socks:
+                s.close()
+        assert peak_rss_mib(d.pid) - before < 64, "the daemon allocated for an unauthenticated peer"
+        with BlockClient(d.data_addr, token="s3cret") as c:  # still serving others
+            key = b"\x04" * 16
+            c.put(key, encode_block(key, NS, 0, b"after the attack"))
+            assert c.get(key)[HEADER_SIZE:] == b"after the attack"
+    finally:
+        assert d.stop() == 0, d.log_tail()
+
+
+@pytest.mark.parametrize("wire, code, fragment", [
+    (frame(p.Op.PING, meta=b"no hello"), p.ErrorCode.AUTH, "first frame must be HELLO, got op 0x0a"),
+    (f.pack_header(p.Op.PUT, 0, 1, 1, 20, 3 << 20), p.ErrorCode.AUTH, "first frame must be HELLO"),
+    (f.pack_header(p.Op.HELLO, 0, 1, 0, 6, 1 << 20), p.ErrorCode.LIMIT, "before-HELLO limit"),
+    (f.pack_header(p.Op.HELLO, 0, 1, 0, p.HELLO_META_BYTES_MAX + 1, 0), p.ErrorCode.LIMIT, "before-HELLO limit"),
+    (frame(p.Op.HELLO, meta=b"\xff\xff") + frame(p.Op.PING), p.ErrorCode.BAD_REQUEST, "valid HELLO"),
+])
+def test_without_a_token_hello_still_comes_first(daemon, wire, code, fragment):
+    with raw(daemon, hello=False) as s:
+        s.sendall(wire)
+        (reply,) = read_replies(s)
+        assert isinstance(reply, p.ErrorReply) and reply.code == code and fragment in reply.message, reply
+        assert closed_by_daemon(s)
+    assert_still_serving(daemon)
+
+
+def test_a_silent_or_trickling_peer_without_hello_is_timed_out(daemon):
+    """The daemon runs with --frame-timeout 1, so a peer has 1 s to complete
+    its HELLO (HELLO_TIMEOUT_S, 5 s, is the longest), however it trickles;
+    a peer past its HELLO may idle as long as it likes."""
+    greeted = raw(daemon)
+    try:
+        for trickle in (False, True):
+            with raw(daemon, hello=False) as s:
+                started = time.monotonic()
+                if trickle:  # a byte every 0.2 s never stalls a single receive for a whole second
+                    for byte in p.Connection(p.Role.CLIENT).send(p.Hello(1, "slow", ""))[:25]:
+                        s.sendall(bytes([byte]))
+                        if select.select([s], [], [], 0.2)[0]:  # the daemon's answer: stop sending
+                            break
+                (error,) = read_replies(s)
+                assert error.code == p.ErrorCode.TIMEOUT and "no HELLO within 1" in error.message, error
+                assert 0.8 < time.monotonic() - started < 5
+                assert closed_by_daemon(s)
+        greeted.sendall(frame(p.Op.PING, rid=3, meta=b"still here"))  # idle 3 s past its HELLO
+        assert read_replies(greeted) == [p.PingReply(3, b"still here")]
+    finally:
+        greeted.close()
+    assert_still_serving(daemon)

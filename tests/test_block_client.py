@@ -1,11 +1,17 @@
 """BlockClient and AsyncBlockClient against a real kvtierd subprocess."""
 import asyncio
 import os
+import select
+import socket
+import sys
 import threading
 
+import numpy as np
 import pytest
 
-from kvtier.client import AsyncBlockClient, BlockClient, BlockLocationInfo, RemoteError
+from kvtier.client import AsyncBlockClient, BlockClient, BlockLocationInfo, ConnectionLost, RemoteError
+from kvtier.client import protocol as p
+from kvtier.client import protocol_frames as f
 from kvtier.client.blockformat import HEADER_SIZE, decode_header, encode_block, verify_block
 from kvtier.client.keys import KVLayout, Namespace, chain_keys
 
@@ -161,3 +167,228 @@ def test_async_client(kvtierd):
             assert (await c.stats())["engine"]["blocks"] == 7
             assert await c.ping() > 0
     asyncio.run(run())
+
+
+def test_zero_copy_reply_buffers_are_reused_only_once_every_view_is_gone():
+    from kvtier.client.block_client import ReplyBuffers
+    pool = ReplyBuffers(count_max=2)
+    first = pool.take(1000)
+    first_id = id(first)
+    view = memoryview(first).cast("B")[10:20].toreadonly()
+    del first
+    second = pool.take(500)
+    assert id(second) != first_id  # a caller still holds a view of the first
+    del second, view
+    assert id(pool.take(800)) == first_id  # now free, and large enough
+    assert len(pool.take(4000)) == 4000  # too large for either: a new one (replaces a free one)
+
+
+def fake_getrefcount(obj):
+    """Reference counts as a newer CPython may report them (arguments borrowed:
+    two less than 3.11 says); the pool must not rely on them."""
+    return REAL_GETREFCOUNT(obj) - 2
+
+
+REAL_GETREFCOUNT = sys.getrefcount
+
+
+def test_a_held_view_is_never_overwritten_whatever_reference_counts_say(monkeypatch):
+    from kvtier.client.block_client import ReplyBuffers
+    monkeypatch.setattr(sys, "getrefcount", fake_getrefcount)
+    pool = ReplyBuffers(count_max=1)
+    buf = pool.take(64)
+    first_id = id(buf)
+    memoryview(buf)[:5] = b"held!"
+    held = memoryview(buf).cast("B")[:5].toreadonly()  # as get_many(copy=False) hands blocks out
+    del buf
+    again = pool.take(64)
+    assert id(again) != first_id
+    memoryview(again)[:5] = b"XXXXX"  # the next reply lands in whatever take() returned
+    assert bytes(held) == b"held!"
+    arr = np.frombuffer(held, np.uint8)  # an array over a view keeps the buffer busy too
+    del held, again
+    assert id(pool.take(64)) != first_id and bytes(arr) == b"held!"
+    del arr
+    assert id(pool.take(64)) == first_id  # free again: reused
+
+
+def test_zero_copy_views_survive_later_gets_whatever_reference_counts_say(kvtierd, monkeypatch):
+    monkeypatch.setattr(sys, "getrefcount", fake_getrefcount)
+    keys = keys_of(4, 13)
+    blocks = [make_block(k, 100_000 + i) for i, k in enumerate(keys)]
+    with BlockClient(kvtierd.data_addr, pool_size=1) as c:
+        c.put_many(list(zip(keys, blocks)))
+        held = c.get_many(keys[2:], copy=False)  # the larger reply: its buffer would fit the next ones
+        for _ in range(3):
+            assert [bytes(v[HEADER_SIZE:]) for v in c.get_many(keys[:2], copy=False)] == \
+                [b[HEADER_SIZE:] for b in blocks[:2]]
+        assert [bytes(v[HEADER_SIZE:]) for v in held] == [b[HEADER_SIZE:] for b in blocks[2:]]
+
+
+def test_zero_copy_views_stay_valid_across_later_gets(kvtierd):
+    keys = keys_of(6, 11)
+    blocks = [make_block(k, 200_000 + i) for i, k in enumerate(keys)]
+    with BlockClient(kvtierd.data_addr, pool_size=1) as c:
+        c.put_many(list(zip(keys, blocks)))
+        held = c.get_many(keys[:3], copy=False)
+        for _ in range(3):  # later replies must not land in the buffer the held views point into
+            assert [bytes(v[HEADER_SIZE:]) for v in c.get_many(keys[3:], copy=False)] == \
+                [b[HEADER_SIZE:] for b in blocks[3:]]
+        assert [bytes(v[HEADER_SIZE:]) for v in held] == [b[HEADER_SIZE:] for b in blocks[:3]]
+        assert [decode_header(v).key for v in held] == keys[:3]
+
+
+class _CollectingWriter:
+    """The writer half of an asyncio stream, without a socket."""
+
+    def __init__(self):
+        self.frames = []
+
+    def writelines(self, parts):
+        self.frames.append(b"".join(bytes(part) for part in parts))
+
+    async def drain(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("error_id, raised", [
+    (1, RemoteError),  # its own request: the daemon's error
+    (0, RemoteError),  # connection-level: the daemon closes
+    (7, p.ProtocolError),  # another request's: the stream is out of step
+])
+def test_async_client_checks_the_request_id_of_error_replies(error_id, raised):
+    from kvtier.client.async_block_client import _AsyncChannel
+
+    async def run():
+        reader = asyncio.StreamReader()
+        ch = _AsyncChannel(reader, _CollectingWriter(), timeout_s=5)
+        server = p.Connection(p.Role.SERVER)
+        reader.feed_data(server.send(p.ErrorReply(error_id, p.ErrorCode.BAD_REQUEST, "for some request")))
+        with pytest.raises(raised) as info:
+            await ch.exchange([p.Ping(0, b"x")])
+        if raised is p.ProtocolError:
+            assert "reply for request 7, expected 1" in str(info.value)
+    asyncio.run(run())
+
+
+def _recv_exact(sock, nbytes):
+    chunks, left = [], nbytes
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _shut(*socks):
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv on it
+        except OSError:
+            pass
+        s.close()
+
+
+class ReplyDroppingProxy:
+    """A TCP proxy in front of the daemon: ``drop_next(op)`` makes it cut the
+    connection instead of forwarding the next reply to ``op`` (the daemon
+    applied the request; its answer is lost); ``cut_all()`` drops every
+    connection, as a daemon restart would."""
+
+    def __init__(self, target: str):
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.addr = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._drop_op = None
+        self.dropped = 0
+        self._pairs = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._listener.close()
+        self.cut_all()
+
+    def drop_next(self, op):
+        self._drop_op = op | p.REPLY_BIT
+
+    def cut_all(self):
+        for pair in self._pairs:
+            _shut(*pair)
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            daemon = socket.create_connection(self._target)
+            self._pairs.append((client, daemon))
+            threading.Thread(target=self._requests, args=(client, daemon), daemon=True).start()
+            threading.Thread(target=self._replies, args=(daemon, client), daemon=True).start()
+
+    def _requests(self, client, daemon):
+        try:
+            while data := client.recv(1 << 16):
+                daemon.sendall(data)
+        except OSError:
+            pass
+        _shut(daemon)
+
+    def _replies(self, daemon, client):
+        try:
+            while (head := _recv_exact(daemon, f.FRAME_HEADER_SIZE)) is not None:
+                _, _, op, _, _, _, meta_len, payload_len, _, _ = f.FRAME_HEADER.unpack(head)
+                body = _recv_exact(daemon, meta_len + payload_len)
+                if op == self._drop_op:
+                    self._drop_op = None
+                    self.dropped += 1
+                    break
+                client.sendall(head + body)
+        except OSError:
+            pass
+        _shut(client, daemon)
+
+
+def test_a_delete_whose_reply_was_lost_is_not_repeated(kvtierd):
+    """A repeat would answer "not found" for the keys the first one deleted."""
+    keys = keys_of(3, 14)
+    with BlockClient(kvtierd.data_addr) as direct:
+        direct.put_many([(k, make_block(k, 100)) for k in keys])
+    with ReplyDroppingProxy(kvtierd.data_addr) as proxy, BlockClient(proxy.addr, pool_size=1) as c:
+        assert c.lookup(keys) == 3  # a pooled connection
+        proxy.drop_next(p.Op.DELETE)
+        with pytest.raises(ConnectionLost, match="not repeated"):
+            c.delete(keys[0])
+        assert proxy.dropped == 1 and c.lookup(keys[:1]) == 0  # it was applied
+        proxy.drop_next(p.Op.PIN)  # PIN reports presence, so its repeat answers the same
+        assert c.pin(keys[1:2]) == [True] and proxy.dropped == 2
+        proxy.cut_all()  # a pooled connection the daemon closed is replaced before the DELETE goes out
+        (pooled,) = list(c._pool.queue)
+        assert select.select([pooled.sock], [], [], 5)[0]  # its FIN has arrived
+        assert c.delete_many(keys[1:]) == [True, True]
+        assert c.statistics().reconnects == 2
+
+
+def test_async_client_does_not_repeat_a_delete_whose_reply_was_lost(kvtierd):
+    key = keys_of(1, 15)[0]
+    with BlockClient(kvtierd.data_addr) as direct:
+        direct.put(key, make_block(key, 100))
+
+    async def run(proxy):
+        async with AsyncBlockClient(proxy.addr, pool_size=1) as c:
+            assert await c.lookup([key]) == 1
+            proxy.drop_next(p.Op.DELETE)
+            with pytest.raises(ConnectionLost, match="not repeated"):
+                await c.delete(key)
+            assert await c.lookup([key]) == 0 and await c.delete(key) is False
+    with ReplyDroppingProxy(kvtierd.data_addr) as proxy:
+        asyncio.run(run(proxy))

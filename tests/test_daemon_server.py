@@ -57,3 +57,127 @@ def test_statistics_count_bytes_and_ops(engine):
     assert stats.requests["put"] == 1 and stats.requests["get"] == 1 and stats.requests["hello"] == 1
     assert stats.bytes_in > len(block) and stats.bytes_out > len(block)
     assert stats.total_connections == 1 and stats.errors == {} and stats.open_connections == 0
+
+
+def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
+    """Blocks are located, then read into the reply buffer; if a block changed
+    size in between (the engine refuses the too-small buffer), the GET is
+    answered by the copying path instead of failing."""
+    from kvtier.client import protocol as p
+    from kvtier.daemon.engine import EngineError
+    from kvtier.daemon.server_handler import RequestHandler, Session
+    from kvtier.daemon.server_stats import ServerStatsRecorder
+
+    class OutgrownEngine:
+        def __init__(self, inner):
+            self._inner, self.calls = inner, 0
+
+        def get_many_into(self, keys, bufs):
+            self.calls += 1
+            raise EngineError("buffer of 4096 bytes is too small for the 8192-byte block")
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    keys = [bytes([3]) + i.to_bytes(15, "little") for i in range(3)]
+    blocks = [encode_block(k, NS, 0, os.urandom(5000 + i)) for i, k in enumerate(keys)]
+    engine.put_many(blocks)
+    fake = OutgrownEngine(engine)
+    handler = RequestHandler(fake, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict)
+    reply, close = handler.handle(p.Get(7, (keys[0], b"\x00" * 16, keys[2])), Session("test", greeted=True))
+    assert fake.calls == 1 and not close and isinstance(reply, p.GetReply)
+    assert [None if b is None else bytes(b)[HEADER_SIZE:] for b in reply.blocks] == \
+        [blocks[0][HEADER_SIZE:], None, blocks[2][HEADER_SIZE:]]
+
+
+def test_get_reply_blocks_land_page_aligned_in_the_connections_buffer(engine):
+    from kvtier.client import protocol as p
+    from kvtier.daemon.server_handler import GET_ARENA_BYTES_MAX, RequestHandler, Session
+    from kvtier.daemon.server_stats import ServerStatsRecorder
+
+    keys = [bytes([4]) + i.to_bytes(15, "little") for i in range(4)]
+    blocks = [encode_block(k, NS, 0, os.urandom(300_000 + 999 * i)) for i, k in enumerate(keys)]
+    engine.put_many(blocks[:2])
+    engine.flush()  # two on flash (sealed), two in the open region
+    engine.put_many(blocks[2:])
+    handler = RequestHandler(engine, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict)
+    session = Session("test", greeted=True)
+    for _ in range(2):  # the second reply reuses the first one's buffer
+        reply, _ = handler.handle(p.Get(1, tuple(keys) + (b"\x01" * 16,)), session)
+        assert [bytes(b)[HEADER_SIZE:] for b in reply.blocks[:4]] == [b[HEADER_SIZE:] for b in blocks]
+        assert reply.blocks[4] is None
+        assert all(b.obj is session.get_arena.obj for b in reply.blocks[:4])
+    assert session.get_arena.nbytes == GET_ARENA_BYTES_MAX
+
+
+def test_get_reply_arenas_are_shared_within_one_daemon_wide_budget(engine):
+    """Two arenas allowed: a third GET in flight takes the copying path, and
+    an arena given back after its reply is sent is lent again, not added."""
+    from kvtier.client import protocol as p
+    from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas
+    from kvtier.daemon.server_handler import RequestHandler, Session
+    from kvtier.daemon.server_stats import ServerStatsRecorder
+
+    keys = [bytes([5]) + i.to_bytes(15, "little") for i in range(3)]
+    blocks = [encode_block(k, NS, 0, os.urandom(70_000 + i)) for i, k in enumerate(keys)]
+    engine.put_many(blocks)
+    arenas = ReplyArenas(budget_bytes=2 * GET_ARENA_BYTES_MAX)
+    handler = RequestHandler(engine, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict, arenas)
+    sessions = [Session(f"peer{i}", greeted=True) for i in range(3)]
+    replies = [handler.handle(p.Get(1, tuple(keys)), s)[0] for s in sessions]  # none sent yet: all in flight
+    for reply in replies:
+        assert [bytes(b)[HEADER_SIZE:] for b in reply.blocks] == [b[HEADER_SIZE:] for b in blocks]
+    assert [s.get_arena is not None for s in sessions] == [True, True, False]
+    assert all(b.obj is sessions[0].get_arena.obj for b in replies[0].blocks)
+    assert not any(isinstance(b, memoryview) and b.obj in (sessions[0].get_arena.obj, sessions[1].get_arena.obj)
+                   for b in replies[2].blocks)  # copied, not read into an arena
+    stats = arenas.statistics()
+    assert (stats.created, stats.lent, stats.refused) == (2, 2, 1)
+    first = sessions[0].get_arena
+    handler.reply_sent(sessions[0])
+    assert sessions[0].get_arena is None
+    reply, _ = handler.handle(p.Get(2, tuple(keys)), sessions[2])
+    assert sessions[2].get_arena is first and reply.blocks[0].obj is first.obj
+    for s in sessions:
+        handler.reply_sent(s)
+    stats = arenas.statistics()
+    assert (stats.created, stats.lent, stats.refused) == (2, 0, 1)
+
+
+def test_idle_connections_hold_no_arena_and_busy_ones_stay_in_budget(engine):
+    import threading
+
+    from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas
+
+    keys = [bytes([6]) + i.to_bytes(15, "little") for i in range(8)]
+    blocks = [encode_block(k, NS, 0, os.urandom(150_000 + i)) for i, k in enumerate(keys)]
+    engine.put_many(blocks)
+    server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20,
+                        reply_arenas=ReplyArenas(budget_bytes=2 * GET_ARENA_BYTES_MAX))
+    host, port = server.start()
+    clients = [BlockClient(f"{host}:{port}", pool_size=1) for _ in range(8)]
+    errors = []
+
+    def reader(c, tag):
+        try:
+            mine = [bytes([7, tag]) + i.to_bytes(14, "little") for i in range(4)]
+            c.put_many([(k, encode_block(k, NS, 0, os.urandom(90_000))) for k in mine])  # payload in an arena
+            for _ in range(10):
+                got = c.get_many(keys)
+                assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in blocks]
+            assert c.lookup(mine) == 4
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    try:
+        threads = [threading.Thread(target=reader, args=(c, tag)) for tag, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        stats = server.reply_arena_statistics()  # 8 connections open, all idle now
+        assert stats.created <= 2 and stats.lent == 0, stats
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()

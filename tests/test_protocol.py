@@ -226,3 +226,91 @@ def test_a_client_refuses_requests_from_the_server():
     client.receive_data(p.Connection(p.Role.CLIENT).send(p.Ping(1)))
     with pytest.raises(p.ProtocolError, match="expected a reply"):
         client.next_event()
+
+
+def test_keys_with_zero_bytes_survive_the_vectorized_split():
+    keys = tuple([bytes(16), b"\x00" * 15 + b"\x01", b"\x01" + b"\x00" * 15] + [os.urandom(16) for _ in range(1021)])
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    for msg in (p.Lookup(1, keys, ns_id=NS), p.Get(2, keys), p.Delete(3, keys[:3])):
+        server.receive_data(client.send(msg))
+        got = server.next_event()
+        assert isinstance(got.keys, p.PackedKeys) and got.keys.packed == b"".join(msg.keys)  # for batch consumers
+        assert got.keys._keys is None and len(got.keys) == len(msg.keys)  # not split until someone needs them
+        assert got == msg and all(type(k) is bytes and len(k) == 16 for k in got.keys)
+        assert hash(got) == hash(msg) and got.keys[1:3] == msg.keys[1:3] and list(got.keys) == list(msg.keys)
+        assert msg.keys[-1] in got.keys and got.keys == f.PackedKeys(b"".join(msg.keys))
+    assert f.split_keys(NS + b"".join(keys[:2]), 16) == keys[:2] and f.split_keys(b"") == ()
+    with pytest.raises(ValueError):
+        f.PackedKeys(b"\x00" * 17)
+
+
+def test_lookup_reply_encodes_any_object_with_location_fields():
+    """The daemon hands the engine's location objects to the encoder as they are."""
+    class EngineLocation:
+        def __init__(self, logical_offset, length, seq, sealed):
+            self.logical_offset, self.length, self.seq, self.sealed = logical_offset, length, seq, sealed
+
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    client.receive_data(server.send(p.LookupReply(5, 1, (EngineLocation(1 << 40, 2 << 20, 99, False), None))))
+    assert client.next_event() == p.LookupReply(5, 1, (p.Location(1 << 40, 2 << 20, 99, False), None))
+
+
+def test_location_records_encode_columns_like_location_objects():
+    present = [True, False, True, True]
+    records = f.location_records(present, [1 << 40, 7, 4096, 0], [2 << 20, 7, 364, 1], [99, 7, 5, 2 ** 63],
+                                 [False, True, True, True])
+    as_objects = (p.Location(1 << 40, 2 << 20, 99, False), None, p.Location(4096, 364, 5, True),
+                  p.Location(0, 1, 2 ** 63, True))
+    server = p.Connection(p.Role.SERVER)
+    wire = server.send(p.LookupReply(6, 1, records))
+    assert wire == p.Connection(p.Role.SERVER).send(p.LookupReply(6, 1, as_objects))  # the same bytes
+    client = p.Connection(p.Role.CLIENT)
+    client.receive_data(wire)
+    assert client.next_event() == p.LookupReply(6, 1, as_objects)
+    assert len(f.location_records([], [], [], [], [])) == 0
+    with pytest.raises(ValueError):
+        p.LocationRecords(b"\x00" * 23, 1)
+
+
+def test_send_parts_can_number_a_frame_without_copying_the_message():
+    msg = p.Lookup(0, (K1, K2, K3), ns_id=NS)
+    numbered = b"".join(bytes(x) for x in p.Connection(p.Role.CLIENT).send_parts(msg, request_id=41))
+    assert numbered == p.Connection(p.Role.CLIENT).send(p.Lookup(41, (K1, K2, K3), ns_id=NS))
+    with pytest.raises(ValueError):
+        p.Connection(p.Role.CLIENT).send_parts(msg, request_id=2 ** 64)
+
+
+@pytest.mark.parametrize("first, code, fragment", [
+    (f.pack_header(p.Op.PUT, 0, 1, 64, 64 * 20, 64 * (3 << 20)), p.ErrorCode.AUTH, "first frame must be HELLO"),
+    (f.pack_header(p.Op.GET, 0, 1, 1, 16, 0), p.ErrorCode.AUTH, "got op 0x03"),
+    (f.pack_header(p.Op.PING, 0, 1, 0, 0, 0), p.ErrorCode.AUTH, "first frame must be HELLO"),
+    (f.pack_header(p.Op.HELLO, 0, 1, 0, 8, 1 << 20), p.ErrorCode.LIMIT, "before-HELLO limit"),
+    (f.pack_header(p.Op.HELLO, 0, 1, 0, p.HELLO_META_BYTES_MAX + 1, 0), p.ErrorCode.LIMIT, "before-HELLO limit"),
+])
+def test_before_hello_only_a_hello_sized_frame_is_read(first, code, fragment):
+    """Refused from the 32-byte header alone: nothing past it is read or allocated."""
+    server = p.Connection(p.Role.SERVER, hello_first=True)
+    for byte in first[:-1]:
+        server.receive_data(bytes([byte]))
+        assert server.next_event() is p.NEED_DATA
+    server.receive_data(first[-1:] + b"x" * 4096)
+    with pytest.raises(p.ProtocolError, match=fragment) as info:
+        server.next_event()
+    assert info.value.code == code and info.value.fatal and info.value.request_id == 1
+    assert server.pending_head is None and server.payload_view() is None
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_after_hello_is_accepted_the_full_limits_apply(step):
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER, hello_first=True)
+    hello = p.Hello(1, "n" * 256, "t" * TOKEN_BYTES_MAX)  # the largest valid HELLO fits the before-HELLO limit
+    wire = client.send(hello) + client.send(REQUESTS[5])
+    assert server.awaiting_hello
+    events = feed(server, wire[:len(client.send(hello))], step or len(wire))
+    assert events == [hello] and server.awaiting_hello  # the server decides whether the HELLO succeeded
+    server.hello_accepted()
+    assert not server.awaiting_hello
+    events = feed(server, wire[len(client.send(hello)):], step or len(wire))
+    assert [normalize(e) for e in events] == [normalize(REQUESTS[5])]
+    with pytest.raises(ValueError, match="server-side"):
+        p.Connection(p.Role.CLIENT, hello_first=True)

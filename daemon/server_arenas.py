@@ -1,0 +1,71 @@
+"""Request arenas shared by every connection of the data server, within one budget.
+
+A PUT's payload is received into a page-aligned arena (the engine copies the
+blocks out), and a GET's blocks are read straight into one and sent from it
+(see :meth:`RequestHandler._get`). Arenas are lent per request: a connection
+borrows one and gives it back once the reply is sent, so idle connections
+hold none and the daemon never keeps more than ``budget_bytes`` of them,
+however many connections are open. When every arena the budget allows is
+lent out, a PUT payload gets a buffer of its own and a GET is answered by the
+copying path (blocks returned by the engine as bytes), both freed once sent.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvtier.daemon.engine.devices import aligned_buffer
+
+GET_ARENA_BYTES_MAX = 16 << 20  # one arena: a GET reply or PUT payload of 8 blocks of 2 MiB; a larger one
+# gets a buffer of its own, freed once handled (transient)
+GET_ARENAS_BYTES_MAX = 512 << 20  # all arenas of the daemon together (32 GETs in flight zero-copy); without a
+# shared budget, 1024 connections would keep 16 GiB
+
+
+@dataclass(frozen=True)
+class ReplyArenaStatistics:
+    arena_bytes: int
+    budget_bytes: int
+    created: int  # arenas allocated so far (kept for reuse): never more than budget_bytes / arena_bytes
+    lent: int  # arenas borrowed by a request right now
+    refused: int  # requests that found the budget spent (a buffer of their own, or the copying GET path)
+
+
+class ReplyArenas:
+    """A free list of page-aligned arenas of ``arena_bytes``, at most ``budget_bytes`` in all."""
+
+    def __init__(self, arena_bytes: int = GET_ARENA_BYTES_MAX, budget_bytes: int = GET_ARENAS_BYTES_MAX):
+        if arena_bytes <= 0 or budget_bytes < 0:
+            raise ValueError(f"arena_bytes must be positive and budget_bytes not negative, got {arena_bytes}, "
+                             f"{budget_bytes}")
+        self.arena_bytes, self.budget_bytes = arena_bytes, budget_bytes
+        self._lock = threading.Lock()
+        self._free: list[memoryview] = []
+        self._created = self._lent = self._refused = 0
+
+    def acquire(self) -> memoryview | None:
+        """An arena for one request, or None when the budget is spent."""
+        with self._lock:
+            if self._free:
+                arena = self._free.pop()  # LIFO: the most recently used one has its pages faulted in
+            elif (self._created + 1) * self.arena_bytes <= self.budget_bytes:
+                arena = aligned_buffer(self.arena_bytes, huge=True)  # address space; pages come on first use
+                self._created += 1
+            else:
+                self._refused += 1
+                return None
+            self._lent += 1
+            return arena
+
+    def release(self, arena: memoryview) -> None:
+        """Give back an arena whose reply was sent."""
+        assert arena.nbytes == self.arena_bytes, f"released a {arena.nbytes}-byte buffer that is not an arena"
+        with self._lock:
+            assert self._lent > 0, "released more arenas than were lent"
+            assert all(a is not arena for a in self._free), "arena released twice"
+            self._lent -= 1
+            self._free.append(arena)
+
+    def statistics(self) -> ReplyArenaStatistics:
+        with self._lock:
+            return ReplyArenaStatistics(self.arena_bytes, self.budget_bytes, self._created, self._lent, self._refused)
