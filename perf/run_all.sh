@@ -16,6 +16,7 @@ step "$PY" perf/bench_tcp.py "${quick[@]}"
 step "$PY" perf/bench_codecs.py "${quick[@]}"
 step "$PY" perf/codec_quality.py "${quick[@]}"
 step "$PY" perf/bench_ttft.py "${quick[@]}"
+step "$PY" perf/plot_ttft.py perf/out/ttft.json perf/out/ttft.png
 step "$PY" perf/run_comparison.py "${quick[@]}"
 dest="perf/results/$(date -u +%F)"
 mkdir -p "$dest"
