@@ -1,23 +1,48 @@
-"""Fused CPU kernels (numba) for the quantized codecs: the same bytes as quant_ref.py, one pass.
+"""Fused CPU kernels (numba) for the quantized codecs: the same bytes as quant_ref.py, fewer passes.
 
 The NumPy reference makes several passes over a block (magnitude bits, group
-max, widen, scale, round); these loops load each token group once into a small
-fp32 scratch (cache-resident), find the per-channel absmax, then quantize it, as
-the CUDA kernels do. Rounding is done without bit casts: fp16/bf16 inputs widen
-through exact 65536-entry tables, and fp32 -> fp16/bf16/e4m3 rounds with
-``frexp`` + ``rint`` (round half to even on an exactly scaled value), which is
-IEEE round-to-nearest-even. Tests compare payloads with the reference byte for
-byte. Used when numba imports; the NumPy reference runs otherwise.
+max, widen, scale, round). Here each token group is read from memory once: a
+first loop takes the per-channel absmax as an integer max over the sign-cleared
+bits (as the reference does), then the group, now in L1/L2, is widened, scaled,
+rounded and stored row by row. Every inner loop runs over the contiguous channel
+axis without branches, so LLVM vectorizes it (8 lanes with AVX2), the per-group
+scale computation included.
+
+Exactness. The float arithmetic is the reference's: fp32 IEEE, multiplication
+by the stored inverse scale, division only where the reference divides (the
+scale and its inverse), in the same order, and no ``fastmath`` (it would allow
+fused multiply-adds and other rewrites that change rounding). Conversions are
+exact or round to nearest even, as the reference's are:
+
+* fp16 <-> fp32: the CPU's F16C instructions (vcvtph2ps / vcvtps2ph, exact
+  and RNE) when numba compiles for a CPU that has them (``F16C``); otherwise
+  bit operations (fp16 bits << 13 read as fp32, times 2**112, is exact;
+  fp32 -> fp16 rounds the bits to nearest even);
+* bf16 <-> fp32 and fp32 -> e4m3: RNE on the IEEE bits; e4m3 -> fp32 exact;
+* rint (half-even) of |v| < 2**22 is ``v + 1.5 * 2**23``, whose low mantissa
+  bits are the two's-complement integer (int8: low 8 bits, int4: low 4).
+
+Integer bit operations are kept to 32 bits (numba widens integer arithmetic
+to 64 bits, which halves the SIMD width; ``U()`` truncates back). Tests
+compare payloads and decoded arrays with the reference byte for byte, on the
+F16C path and (in a subprocess compiled for a generic CPU) on the bit path.
+
+Used when numba imports, compiled once and cached on disk (``cache=True``);
+the NumPy reference runs otherwise. Single-threaded: a call runs on the
+calling thread (``nogil``, so callers may encode several blocks on several
+threads at once).
 """
 from __future__ import annotations
 
-import math
-
-import ml_dtypes
 import numpy as np
 
 try:
     import numba
+    from llvmlite import ir as _ir
+    from numba.core import codegen as _codegen
+    from numba.core import config as _config
+    from numba.core import types as _types
+    from numba.extending import intrinsic as _intrinsic
 except ImportError:  # pragma: no cover - numba is optional
     numba = None
 
@@ -25,264 +50,325 @@ AVAILABLE = numba is not None
 KIND_CODES = {"int8": 0, "fp8": 1, "int4": 2}
 QMAX = np.array([127.0, 448.0, 7.0], np.float32)
 NONFINITE = -1  # kernel result: the input has NaN or infinite values
-F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-E4M3_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+F16, BF16, F32 = 0, 1, 2  # element codes of the input (encode) and output (decode)
+
+U = np.uint32
+RND = np.float32(12582912.0)  # 1.5 * 2**23: v + RND rounds v half-even to an integer, for |v| < 2**22
+F16_TO_F32 = np.float32(2.0 ** 112)  # fp16 bits << 13 read as fp32, times this, is the fp16 value
+
+
+def _target_has_f16c() -> bool:
+    """Whether numba compiles for a CPU with F16C (its target features, which also key the disk cache)."""
+    if not AVAILABLE:
+        return False
+    features = _config.CPU_FEATURES if _config.CPU_FEATURES is not None else _codegen.get_host_cpu_features()
+    return "+f16c" in str(features).split(",")
+
+
+F16C = _target_has_f16c()
 
 
 def _jit(fn):
     return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
 
 
-@_jit
-def round_to_bits(v, mant_bits, bias, max_exp_field, sign):
-    """RNE of a finite float to a binary format with ``mant_bits`` stored bits; its bit pattern.
+def _inline(fn):
+    """A small helper inlined into its callers by numba (so LLVM sees one loop body to vectorize)."""
+    return numba.njit(inline="always")(fn) if AVAILABLE else fn
 
-    Normal range: frexp gives v = m * 2**e, m in [0.5, 1); m * 2**(mant_bits+1)
-    is exact and rint rounds it half-even. Subnormals: rint(|v| / smallest step).
-    Overflow gives the all-ones exponent (inf).
+
+if AVAILABLE:
+    def _int_arg(builder, value, from_type, bits):
+        """An integer argument truncated or zero-extended to ``bits`` bits."""
+        if from_type.bitwidth > bits:
+            return builder.trunc(value, _ir.IntType(bits))
+        if from_type.bitwidth < bits:
+            return builder.zext(value, _ir.IntType(bits))
+        return value
+
+    @_intrinsic
+    def f32_from_bits(typingctx, u):
+        """The fp32 whose bit pattern is the low 32 bits of the integer ``u``."""
+        if isinstance(u, _types.Integer):
+            def codegen(context, builder, signature, args):
+                return builder.bitcast(_int_arg(builder, args[0], u, 32), _ir.FloatType())
+            return _types.float32(u), codegen
+        return None
+
+    @_intrinsic
+    def bits_from_f32(typingctx, v):
+        """The bit pattern (uint32) of the fp32 ``v``."""
+        if isinstance(v, _types.Float) and v.bitwidth == 32:
+            def codegen(context, builder, signature, args):
+                return builder.bitcast(args[0], _ir.IntType(32))
+            return _types.uint32(v), codegen
+        return None
+
+    @_intrinsic
+    def _f16_to_f32_hw(typingctx, h):
+        """fp16 bits (low 16 bits of ``h``) -> fp32: LLVM's fpext from half (vcvtph2ps with F16C)."""
+        if isinstance(h, _types.Integer):
+            def codegen(context, builder, signature, args):
+                half = builder.bitcast(_int_arg(builder, args[0], h, 16), _ir.HalfType())
+                return builder.fpext(half, _ir.FloatType())
+            return _types.float32(h), codegen
+        return None
+
+    @_intrinsic
+    def _f32_to_f16_hw(typingctx, v):
+        """fp32 -> fp16 bits, RNE: LLVM's fptrunc to half (vcvtps2ph with F16C)."""
+        if isinstance(v, _types.Float) and v.bitwidth == 32:
+            def codegen(context, builder, signature, args):
+                return builder.bitcast(builder.fptrunc(args[0], _ir.HalfType()), _ir.IntType(16))
+            return _types.uint16(v), codegen
+        return None
+else:  # pragma: no cover - the kernels are only called when numba is present
+    def f32_from_bits(u):
+        return np.uint32(u).view(np.float32)
+
+    def bits_from_f32(v):
+        return np.float32(v).view(np.uint32)
+
+    _f16_to_f32_hw = _f32_to_f16_hw = None
+
+
+@_inline
+def f16_to_f32_bits(h):
+    """fp16 bits -> fp32, exact, by bit operations; inf stays inf, NaN becomes a quiet NaN (as vcvtph2ps)."""
+    h = U(h)
+    sign = U(U(h & U(0x8000)) << U(16))
+    v = f32_from_bits(U(U(U(h & U(0x7FFF)) << U(13)) | sign)) * F16_TO_F32
+    special = f32_from_bits(U(sign | U(0x7F800000) | U(U(h & U(0x3FF)) << U(13))
+                              | (U(0x400000) if U(h & U(0x3FF)) != U(0) else U(0))))
+    return special if U(h & U(0x7C00)) == U(0x7C00) else v
+
+
+@_inline
+def f32_to_f16_bits(v):
+    """fp32 -> fp16 bits, round to nearest even, by bit operations (as vcvtps2ph: overflow -> inf, NaN quiet)."""
+    u = bits_from_f32(v)
+    a = U(u & U(0x7FFFFFFF))
+    sub = U(bits_from_f32(f32_from_bits(a) * np.float32(16777216.0) + RND) & U(0x7FF))  # |v| in steps of 2**-24
+    a2 = U(a - U(0x38000000))  # rebias the exponent 127 -> 15
+    nor = U(U(a2 + U(0xFFF) + U(U(a2 >> U(13)) & U(1))) >> U(13))
+    code = sub if a < U(0x38800000) else nor
+    code = U(0x7C00) if a >= U(0x47800000) else code
+    code = U(U(0x7E00) | U(U(a >> U(13)) & U(0x3FF))) if a > U(0x7F800000) else code
+    return np.uint16(code | U(U(u >> U(16)) & U(0x8000)))
+
+
+f16_to_f32 = _f16_to_f32_hw if F16C else f16_to_f32_bits
+f32_to_f16 = _f32_to_f16_hw if F16C else f32_to_f16_bits
+
+
+@_inline
+def bf16_to_f32(h):
+    return f32_from_bits(U(U(h) << U(16)))
+
+
+@_inline
+def f32_to_bf16(v):
+    """fp32 -> bf16 bits, RNE (finite values; as hostcast.narrow)."""
+    u = bits_from_f32(v)
+    return np.uint16(U(U(u + U(0x7FFF) + U(U(u >> U(16)) & U(1))) >> U(16)))
+
+
+@_inline
+def f32_to_e4m3(v):
+    """e4m3fn bits of v, RNE, for |v| <= 448 (the codec never exceeds it); inf/NaN -> 0x7F (NaN)."""
+    u = bits_from_f32(v)
+    mag = U(u & U(0x7FFFFFFF))
+    sub = U(bits_from_f32(f32_from_bits(mag) * np.float32(512.0) + RND) & U(0xFF))  # steps of 2**-9
+    nor = U(U(U(mag + U(0x7FFFF) + U(U(mag >> U(20)) & U(1))) >> U(20)) - U(960))  # rebias 127 -> 7
+    code = sub if mag < U(0x3C800000) else nor  # below 2**-6, the smallest normal
+    # inf/NaN (x * inf where 1 / scale overflowed, scales below 2**-128): NaN, as ml_dtypes casts them
+    code = U(0x7F) if mag >= U(0x7F800000) else code
+    return np.uint8(code | U(U(u >> U(24)) & U(0x80)))
+
+
+@_inline
+def e4m3_to_f32(b):
+    """e4m3fn bits -> fp32, exact; 0x7F / 0xFF (NaN) give the quiet NaN of that sign, as ml_dtypes.
+
+    Builds the fp32 bits directly (rebias the exponent 7 -> 127); subnormals (exponent 0)
+    convert their 3-bit integer mantissa times 2**-9. No fp32 subnormal is ever an operand
+    (x86 takes a slow assist for those).
     """
-    a = abs(np.float64(v))
-    neg = v < 0
-    min_normal_exp = 1 - bias  # exponent of the smallest normal, 2**(1-bias)
-    if a == 0.0:
-        return sign if neg else 0
-    m, e = math.frexp(a)  # a = m * 2**e
-    if e - 1 < min_normal_exp:
-        code = int(np.rint(a * math.ldexp(1.0, bias - 1 + mant_bits)))  # step 2**(1-bias-mant_bits)
-    else:
-        r = int(np.rint(m * (1 << (mant_bits + 1))))
-        if r == 1 << (mant_bits + 1):
-            r = 1 << mant_bits
-            e += 1
-        exp_field = e - 1 + bias
-        if exp_field >= max_exp_field:
-            code = max_exp_field << mant_bits
-        else:
-            code = (exp_field << mant_bits) | (r - (1 << mant_bits))
-    return (code | sign) if neg else code
+    b = U(b)
+    m = U(b & U(0x7F))
+    sub = bits_from_f32(np.float32(np.int32(m & U(7))) * np.float32(2.0 ** -9))
+    bits = U(U(m << U(20)) + U(120 << 23)) if m >= U(8) else sub
+    bits = U(0x7FC00000) if m == U(0x7F) else bits
+    return f32_from_bits(U(bits | U(U(b & U(0x80)) << U(24))))
 
 
 @_jit
-def to_f16_bits(v):
-    return round_to_bits(v, 10, 15, 31, 0x8000)
+def _group_scales(mbits, in_code, qmax, s16, s32, sr, inv):
+    """Scales of one group (row ``sr`` of s16 or s32) and their fp32 inverses, from the max magnitude bits.
 
-
-@_jit
-def to_bf16_bits(v):
-    return round_to_bits(v, 7, 127, 255, 0x8000)
-
-
-@_jit
-def to_e4m3_bits(v):
-    """e4m3fn for |v| <= 448 (the codec never exceeds it; 0x7F is NaN in e4m3fn)."""
-    return round_to_bits(v, 3, 7, 16, 0x80)
-
-
-RND = np.float32(12582912.0)  # 1.5 * 2**23: (v + RND) - RND is rint(v), half-even, for |v| < 2**22
-
-
-@_jit
-def rint32(v):
-    return (v + RND) - RND
-
-
-@_jit
-def e4m3_row(vals, bits, out, base):
-    """out[base + d] = e4m3 bits of vals[d] (|vals| <= 448); ``bits`` is the uint32 view of ``vals``."""
-    for d in range(vals.shape[0]):
-        u = bits[d]
-        mag = u & np.uint32(0x7FFFFFFF)
-        a = abs(vals[d])
-        sub = np.uint32(rint32(a * np.float32(512.0)))
-        nor = ((mag + np.uint32(0x7FFFF) + ((mag >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)) - np.uint32(960)
-        code = sub if a < np.float32(0.015625) else nor
-        out[base + d] = np.uint8(code | ((u >> np.uint32(24)) & np.uint32(0x80)))
-
-
-@_jit
-def f16_row(vals, bits, out):
-    """out[d] = fp16 bits of vals[d], RNE (as cvt.rn.f16.f32; overflow -> inf)."""
-    for d in range(vals.shape[0]):
-        u = bits[d]
-        a = u & np.uint32(0x7FFFFFFF)
-        sub = np.uint32(rint32(abs(vals[d]) * np.float32(16777216.0)))
-        a2 = a - np.uint32(0x38000000)
-        nor = (a2 + np.uint32(0xFFF) + ((a2 >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-        code = sub if a < np.uint32(0x38800000) else nor
-        code = np.uint32(0x7C00) if a >= np.uint32(0x47800000) else code
-        out[d] = np.uint16(code | ((u >> np.uint32(16)) & np.uint32(0x8000)))
-
-
-@_jit
-def bf16_row(bits, out):
-    for d in range(bits.shape[0]):
-        u = bits[d]
-        out[d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
-@_jit
-def _quant_group(buf, n, kind, qmax, scale16, f16_table, r, gi, t0, scales16, scales32, q, amax, inv, row):
-    """Scales and values of one token group held in buf[:n, :] (fp32)."""
-    d_total = buf.shape[1]
-    amax[:] = 0
-    for t in range(n):
-        bt = buf[t]
-        for d in range(d_total):
-            amax[d] = np.maximum(amax[d], abs(bt[d]))  # propagates NaN
+    scale = RNE(absmax / qmax) in the stored dtype, one step up if scale * qmax < absmax
+    (compared in float64, where the product is exact), as quant_ref.scales_from_absmax;
+    inv = 1 / scale (0 for a zero scale). NONFINITE if a channel's absmax is inf or NaN.
+    """
+    d_total = mbits.shape[0]
+    top = U(0)
     for d in range(d_total):
-        a = amax[d]
-        if not np.isfinite(a):
-            return NONFINITE
-        s = np.float32(a / qmax)
-        if scale16:
-            h = to_f16_bits(s)
-            if np.float64(f16_table[h]) * np.float64(qmax) < np.float64(a):
-                h += 1
-            scales16[r, gi, d] = h
-            s = f16_table[h]
-        else:
-            if np.float64(s) * np.float64(qmax) < np.float64(a):
-                s = np.nextafter(s, np.float32(np.inf))
-            scales32[r, gi, d] = s
-        inv[d] = np.float32(1.0) / s if s != np.float32(0.0) else np.float32(0.0)
-    row_bits = row.view(np.uint32)
-    for t in range(n):
-        bt = buf[t]
-        qt = q[r, t0 + t]
-        if kind == 2:
-            for p in range(d_total // 2):
-                lo = np.int32(rint32(bt[2 * p] * inv[2 * p]))
-                hi = np.int32(rint32(bt[2 * p + 1] * inv[2 * p + 1]))
-                qt[p] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
-        elif kind == 1:
-            for d in range(d_total):
-                row[d] = bt[d] * inv[d]
-            e4m3_row(row, row_bits, qt, 0)
-        else:
-            for d in range(d_total):
-                qt[d] = np.uint8(np.int32(rint32(bt[d] * inv[d])) & 0xFF)
+        top = max(top, mbits[d])
+    if top >= U(0x7C00 if in_code == F16 else (0x7F80 if in_code == BF16 else 0x7F800000)):
+        return NONFINITE
+    qmax64 = np.float64(qmax)
+    if in_code == F16:
+        for d in range(d_total):
+            a = f16_to_f32(mbits[d])
+            h = f32_to_f16(a / qmax)
+            h = np.uint16(U(h) + U(np.float64(f16_to_f32(h)) * qmax64 < np.float64(a)))  # next larger fp16
+            s16[sr, d] = h
+            s = f16_to_f32(h)
+            inv[d] = np.float32(1.0) / s if s != np.float32(0.0) else np.float32(0.0)
+    else:
+        shift = U(16 if in_code == BF16 else 0)
+        for d in range(d_total):
+            a = f32_from_bits(U(mbits[d] << shift))
+            s = a / qmax
+            s = f32_from_bits(U(bits_from_f32(s) + U(np.float64(s) * qmax64 < np.float64(a))))  # next larger
+            s32[sr, d] = s
+            inv[d] = np.float32(1.0) / s if s != np.float32(0.0) else np.float32(0.0)
     return 0
 
 
 @_jit
-def quantize16(xbits, is_bf16, kind, g, scale16, f16_table, scales16, scales32, q):
-    """fp16/bf16 input as uint16 bits [B, T, D], widened exactly with bit operations."""
-    b_total, t_total, d_total = xbits.shape
+def quantize(x16, x32, in_code, kind, g, t_total, s16, s32, q):
+    """x [B*T, D] (fp16/bf16 bits in x16, or fp32 in x32) -> scales [B*ng, D], q [B*T, D or D/2] bytes.
+
+    Returns 0, or NONFINITE if the input has NaN or infinite values.
+    """
+    rows, d_total = x32.shape if in_code == F32 else x16.shape
+    b_total = rows // t_total
+    ng = (t_total + g - 1) // g
     qmax = QMAX[kind]
-    buf = np.empty((g, d_total), np.float32)
-    bufu = buf.view(np.uint32)
-    amax, inv, row = np.empty(d_total, np.float32), np.empty(d_total, np.float32), np.empty(d_total, np.float32)
+    mbits = np.empty(d_total, np.uint32)
+    inv = np.empty(d_total, np.float32)
+    row = np.empty(d_total, np.float32)  # one token row, scaled (stays in L1)
+    x32u = x32.view(np.uint32)
     for r in range(b_total):
-        for gi in range((t_total + g - 1) // g):
-            t0 = gi * g
-            n = min(t_total, t0 + g) - t0
-            for t in range(n):
-                xr = xbits[r, t0 + t]
-                bu = bufu[t]
-                if is_bf16:
+        for gi in range(ng):
+            t0 = r * t_total + gi * g
+            t1 = r * t_total + min(t_total, (gi + 1) * g)
+            mbits[:] = 0
+            if in_code == F32:
+                for t in range(t0, t1):
                     for d in range(d_total):
-                        bu[d] = np.uint32(xr[d]) << np.uint32(16)
+                        mbits[d] = max(mbits[d], U(x32u[t, d] & U(0x7FFFFFFF)))
+            else:
+                for t in range(t0, t1):
+                    for d in range(d_total):
+                        mbits[d] = max(mbits[d], U(U(x16[t, d]) & U(0x7FFF)))
+            if _group_scales(mbits, in_code, qmax, s16, s32, r * ng + gi, inv) < 0:
+                return NONFINITE
+            for t in range(t0, t1):
+                if in_code == F16:
+                    for d in range(d_total):
+                        row[d] = f16_to_f32(x16[t, d]) * inv[d]
+                elif in_code == BF16:
+                    for d in range(d_total):
+                        row[d] = bf16_to_f32(x16[t, d]) * inv[d]
                 else:
-                    bf = buf[t]
-                    special = np.uint32(0)  # becomes 1 if an exponent is all ones (inf/NaN)
                     for d in range(d_total):
-                        h = np.uint32(xr[d])
-                        special |= ((h & np.uint32(0x7C00)) + np.uint32(0x400)) >> np.uint32(15)
-                        bu[d] = ((h & np.uint32(0x7FFF)) << np.uint32(13)) | ((h & np.uint32(0x8000)) << np.uint32(16))
-                    if special:
-                        return NONFINITE
-                    for d in range(d_total):  # exact: a power-of-two scaling of an fp16 value
-                        bf[d] *= np.float32(5.192296858534828e33)  # 2**112
-            if _quant_group(buf, n, kind, qmax, scale16, f16_table, r, gi, t0, scales16, scales32, q,
-                            amax, inv, row) < 0:
-                return NONFINITE
+                        row[d] = x32[t, d] * inv[d]
+                if kind == 0:  # int8: the low 8 bits of v + RND are rint(v) in two's complement
+                    for d in range(d_total):
+                        q[t, d] = np.uint8(bits_from_f32(row[d] + RND))
+                elif kind == 1:
+                    for d in range(d_total):
+                        q[t, d] = f32_to_e4m3(row[d])
+                else:  # int4: two's-complement nibbles, even channel low
+                    for p in range(d_total // 2):
+                        lo = U(bits_from_f32(row[2 * p] + RND) & U(0x0F))
+                        hi = U(bits_from_f32(row[2 * p + 1] + RND) & U(0x0F))
+                        q[t, p] = np.uint8(lo | U(hi << U(4)))
     return 0
 
 
 @_jit
-def quantize32(x, kind, g, f16_table, scales16, scales32, q):
-    """fp32 input [B, T, D] (fp32 scales)."""
-    b_total, t_total, d_total = x.shape
-    qmax = QMAX[kind]
-    buf = np.empty((g, d_total), np.float32)
-    amax, inv, row = np.empty(d_total, np.float32), np.empty(d_total, np.float32), np.empty(d_total, np.float32)
-    for r in range(b_total):
-        for gi in range((t_total + g - 1) // g):
-            t0 = gi * g
-            n = min(t_total, t0 + g) - t0
-            for t in range(n):
-                buf[t, :] = x[r, t0 + t]
-            if _quant_group(buf, n, kind, qmax, False, f16_table, r, gi, t0, scales16, scales32, q,
-                            amax, inv, row) < 0:
-                return NONFINITE
-    return 0
+def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
+    """q [B*T, D or D/2] bytes and scales [B*ng, D] (fp16 bits in s16, or fp32 in s32) -> out [B*T, D].
 
-
-@_jit
-def dequantize(q, kind, g, scale16, f16_table, e4m3_table, scales16, scales32, out_kind, out16, out32):
-    """q and scales -> out (out_kind 0: fp16 bits in out16, 1: bf16 bits in out16, 2: fp32 in out32)."""
-    b_total, t_total, d_total = (out32.shape if out_kind == 2 else out16.shape)
-    ys = np.empty(d_total, np.float32)
+    out_code F16 / BF16: bits into out16; F32: values into out32.
+    """
+    rows, d_total = out32.shape if out_code == F32 else out16.shape
+    b_total = rows // t_total
+    ng = (t_total + g - 1) // g
     ss = np.empty(d_total, np.float32)
-    ybits = ys.view(np.uint32)
+    ys = np.empty(d_total, np.float32)  # one token row (stays in L1)
+    qi = q.view(np.int8)
     for r in range(b_total):
-        for t in range(t_total):
-            gi = t // g
-            if t % g == 0 or t == 0:
+        for gi in range(ng):
+            sr = r * ng + gi
+            if out_code == F16:  # fp16 data has fp16 scales
                 for d in range(d_total):
-                    ss[d] = f16_table[scales16[r, gi, d]] if scale16 else scales32[r, gi, d]
-            qt = q[r, t]
-            if kind == 2:
-                for p in range(d_total // 2):
-                    byte = np.int32(qt[p])
-                    lo = byte & 0x0F
-                    hi = (byte >> 4) & 0x0F
-                    ys[2 * p] = np.float32(lo - 16 if lo >= 8 else lo) * ss[2 * p]
-                    ys[2 * p + 1] = np.float32(hi - 16 if hi >= 8 else hi) * ss[2 * p + 1]
-            elif kind == 1:
-                for d in range(d_total):
-                    ys[d] = e4m3_table[qt[d]] * ss[d]
+                    ss[d] = f16_to_f32(s16[sr, d])
             else:
                 for d in range(d_total):
-                    byte = np.int32(qt[d])
-                    ys[d] = np.float32(byte - 256 if byte >= 128 else byte) * ss[d]
-            if out_kind == 0:
-                f16_row(ys, ybits, out16[r, t])
-            elif out_kind == 1:
-                bf16_row(ybits, out16[r, t])
-            else:
-                out32[r, t, :] = ys
+                    ss[d] = s32[sr, d]
+            t0 = r * t_total + gi * g
+            t1 = r * t_total + min(t_total, (gi + 1) * g)
+            for t in range(t0, t1):
+                if kind == 0:
+                    for d in range(d_total):
+                        ys[d] = np.float32(qi[t, d]) * ss[d]
+                elif kind == 1:
+                    for d in range(d_total):
+                        ys[d] = e4m3_to_f32(q[t, d]) * ss[d]
+                else:
+                    for p in range(d_total // 2):
+                        byte = np.int32(qi[t, p])
+                        ys[2 * p] = np.float32(np.int32(U(byte) << U(28)) >> 28) * ss[2 * p]  # low nibble
+                        ys[2 * p + 1] = np.float32(byte >> 4) * ss[2 * p + 1]
+                if out_code == F16:
+                    for d in range(d_total):
+                        out16[t, d] = f32_to_f16(ys[d])
+                elif out_code == BF16:
+                    for d in range(d_total):
+                        out16[t, d] = f32_to_bf16(ys[d])
+                else:
+                    for d in range(d_total):
+                        out32[t, d] = ys[d]
 
 
-_EMPTY16 = np.empty((1, 1, 1), np.uint16)
-_EMPTY32 = np.empty((1, 1, 1), np.float32)
+_EMPTY16 = np.empty((1, 1), np.uint16)
+_EMPTY32 = np.empty((1, 1), np.float32)
 
 
-def _scale_arrays(scales: np.ndarray) -> tuple[bool, np.ndarray, np.ndarray]:
+def _elem_code(dtype: np.dtype) -> int:
+    if dtype == np.float16:
+        return F16
+    return F32 if dtype == np.float32 else BF16
+
+
+def _scale_arrays(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    s2 = scales.reshape(-1, scales.shape[-1])
     if scales.dtype == np.float16:
-        return True, scales.view(np.uint16), _EMPTY32
-    return False, _EMPTY16, scales
+        return s2.view(np.uint16), _EMPTY32
+    return _EMPTY16, s2
 
 
 def quantize_into(x: np.ndarray, kind_name: str, g: int, scales: np.ndarray, q: np.ndarray) -> None:
     """Drop-in for quant_ref.quantize_into (x C-contiguous [B, T, D])."""
-    scale16, s16, s32 = _scale_arrays(scales)
-    kind = KIND_CODES[kind_name]
-    if x.dtype.itemsize == 2:
-        rc = quantize16(x.view(np.uint16), x.dtype != np.float16, kind, g, scale16, F16_TABLE, s16, s32,
-                        q.view(np.uint8))
-    else:
-        rc = quantize32(x, kind, g, F16_TABLE, s16, s32, q.view(np.uint8))
+    b, t, d = x.shape
+    s16, s32 = _scale_arrays(scales)
+    code = _elem_code(x.dtype)
+    x2 = x.reshape(b * t, d)
+    x16, x32 = (_EMPTY16, x2) if code == F32 else (x2.view(np.uint16), _EMPTY32)
+    rc = quantize(x16, x32, code, KIND_CODES[kind_name], g, t, s16, s32, q.reshape(b * t, -1).view(np.uint8))
     if rc == NONFINITE:
         raise ValueError("input has NaN or infinite values; quantized codecs need finite data")
 
 
 def dequantize_into(q: np.ndarray, kind_name: str, g: int, scales: np.ndarray, out: np.ndarray) -> None:
     """Drop-in for quant_ref.dequantize_into (out C-contiguous [B, T, D])."""
-    scale16, s16, s32 = _scale_arrays(scales)
-    if out.dtype == np.float32:
-        out_kind, o16, o32 = 2, _EMPTY16, out
-    else:
-        out_kind, o16, o32 = (0 if out.dtype == np.float16 else 1), out.view(np.uint16), _EMPTY32
-    dequantize(q.view(np.uint8), KIND_CODES[kind_name], g, scale16, F16_TABLE, E4M3_TABLE, s16, s32,
-               out_kind, o16, o32)
+    b, t, d = out.shape
+    s16, s32 = _scale_arrays(scales)
+    code = _elem_code(out.dtype)
+    o2 = out.reshape(b * t, d)
+    o16, o32 = (_EMPTY16, o2) if code == F32 else (o2.view(np.uint16), _EMPTY32)
+    dequantize(q.reshape(b * t, -1).view(np.uint8), KIND_CODES[kind_name], g, t, s16, s32, code, o16, o32)

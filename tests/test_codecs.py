@@ -349,3 +349,152 @@ def quant_numba_available():
     from kvtier.kernels import quant_numba
 
     return quant_numba.AVAILABLE
+
+
+def _fused_and_reference(codec, x):
+    """(payload, decoded) from the fused backend, then from the NumPy reference."""
+    from kvtier.kernels.codec import HOST_BACKEND
+
+    results = []
+    for fused in (True, False):
+        HOST_BACKEND.fused = fused
+        try:
+            payload = codec.encode(x)
+            out = np.empty_like(x)
+            codec.decode(payload, out)
+        finally:
+            HOST_BACKEND.fused = quant_numba_available()
+        results.append((payload, out))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+def test_fused_backend_matches_reference_on_extreme_inputs(name, dtype):
+    """Every finite bit pattern of the input dtype, and tiny values whose 1 / scale overflows fp32."""
+    if not quant_numba_available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    if dtype.itemsize == 2:
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        finite = bits[(bits & 0x7FFF) < (0x7C00 if dtype == np.float16 else 0x7F80)]
+        x = rng.permutation(finite)[: finite.size // 64 * 64].view(dtype).reshape(-1, 16, 4)
+    else:
+        u = rng.integers(0, 0x7F800000, 1 << 16, dtype=np.uint32) | (rng.integers(0, 2, 1 << 16, dtype=np.uint32) << 31)
+        x = u.view(np.float32).reshape(-1, 16, 4)
+    tiny = (rng.standard_normal((4, 50, 24)) * 1e-38).astype(dtype)
+    for block in (x, tiny):
+        for g in (1, 7, 32):
+            with np.errstate(all="ignore"):
+                (fz, out_f), (rf, out_r) = _fused_and_reference(get_codec(name, group_tokens=g), block)
+            assert fz == rf
+            assert out_f.tobytes() == out_r.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+def test_fused_decode_of_arbitrary_value_bytes_matches_reference(name, dtype):
+    """Any value byte decodes as the reference decodes it (e4m3 NaN codes 0x7F/0xFF included)."""
+    if not quant_numba_available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(4)
+    codec = get_codec(name, group_tokens=16)
+    x = rng.standard_normal((3, 48, 32)).astype(dtype)
+    data = bytearray(codec.encode(x))
+    _, values = codec.parse(bytes(data)).views(data)
+    values.view(np.uint8)[...] = rng.integers(0, 256, values.shape, dtype=np.uint8)
+    outs = []
+    for fused in (True, False):
+        from kvtier.kernels.codec import HOST_BACKEND
+
+        HOST_BACKEND.fused = fused
+        try:
+            out = np.empty_like(x)
+            codec.decode(bytes(data), out)
+        finally:
+            HOST_BACKEND.fused = quant_numba_available()
+        outs.append(out.tobytes())
+    assert outs[0] == outs[1]
+
+
+def test_fused_bit_conversions_are_exact():
+    """The bit-operation conversions (used where the CPU lacks F16C) against NumPy / ml_dtypes."""
+    from kvtier.kernels import quant_numba as qn
+
+    if not qn.AVAILABLE:
+        pytest.skip("numba is not installed")
+    import numba
+
+    @numba.njit
+    def run(h16, f32, b8, out_w, out_n, out_bf, out_e, out_d):
+        for i in range(h16.size):
+            out_w[i] = qn.f16_to_f32_bits(h16[i])
+        for i in range(f32.size):
+            out_n[i] = qn.f32_to_f16_bits(f32[i])
+            out_bf[i] = qn.f32_to_bf16(f32[i])
+        for i in range(b8.size):
+            out_d[i] = qn.e4m3_to_f32(b8[i])
+        for i in range(f32.size):
+            out_e[i] = qn.f32_to_e4m3(np.float32(min(448.0, max(-448.0, f32[i]))))
+
+    rng = np.random.default_rng(5)
+    h16 = np.arange(1 << 16, dtype=np.uint16)  # every fp16 bit pattern
+    u = np.concatenate([np.arange(0, 1 << 32, 4099, dtype=np.uint64),
+                        rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64)]).astype(np.uint32)
+    f32 = u.view(np.float32)
+    f32 = f32[np.isfinite(f32)]
+    b8 = np.arange(256, dtype=np.uint8)
+    out_w, out_n = np.empty(h16.size, np.float32), np.empty(f32.size, np.uint16)
+    out_bf, out_e = np.empty(f32.size, np.uint16), np.empty(f32.size, np.uint8)
+    out_d = np.empty(256, np.float32)
+    run(h16, f32, b8, out_w, out_n, out_bf, out_e, out_d)
+    widened = h16.view(np.float16).astype(np.float32)
+    nan = np.isnan(widened)
+    assert np.array_equal(out_w[~nan].view(np.uint32), widened[~nan].view(np.uint32))
+    assert np.isnan(out_w[nan]).all()
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out_n, f32.astype(np.float16).view(np.uint16))
+    bf = np.empty(f32.size, BF16)
+    narrow(f32, bf)
+    assert np.array_equal(out_bf, bf.view(np.uint16))
+    assert np.array_equal(out_d.view(np.uint32), b8.view(E4M3).astype(np.float32).view(np.uint32))
+    clipped = np.clip(f32, -448, 448)
+    assert np.array_equal(out_e, clipped.astype(E4M3).view(np.uint8))
+
+
+def test_fused_backend_without_f16c_matches_reference(tmp_path):
+    """The bit-operation path, compiled for a generic CPU (no F16C) in a subprocess, writes the same bytes."""
+    import os
+    import subprocess
+    import sys
+
+    if not quant_numba_available():
+        pytest.skip("numba is not installed")
+    script = r'''
+import numpy as np, ml_dtypes
+from kvtier.kernels import get_codec, quant_numba
+from kvtier.kernels.codec import HOST_BACKEND
+assert not quant_numba.F16C
+rng = np.random.default_rng(6)
+bits = np.arange(1 << 16, dtype=np.uint16)
+allf16 = rng.permutation(bits[(bits & 0x7C00) != 0x7C00])[:63488].view(np.float16).reshape(-1, 16, 4)
+normal = rng.standard_normal((3, 2, 70, 64)).astype(np.float32)
+normal[..., 5] *= 20
+for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+    for name in ("int8", "fp8", "int4"):
+        codec = get_codec(name, group_tokens=32)
+        for x in (normal.astype(dtype), allf16.astype(dtype)):
+            got = []
+            for fused in (True, False):
+                HOST_BACKEND.fused = fused
+                data = codec.encode(x)
+                out = np.empty_like(x)
+                codec.decode(data, out)
+                got.append((data, out.tobytes()))
+            assert got[0] == got[1], (name, dtype)
+print("ok")
+'''
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
