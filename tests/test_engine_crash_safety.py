@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvtier.daemon.engine import DeviceError, Engine, EngineConfig, NoSpaceError
@@ -142,14 +144,14 @@ class CrashAt(FaultyDevice):
                 self.fail_writes = True
 
 
-def reclaim_scenario(pinned_in_victim):
+def reclaim_scenario(pinned_in_victim, wrap=None):
     """LRU, four regions. Region 0 ends up holding blocks 20-24, a tombstone for 7 (region 1)
     and a pin record for 12 (region 2) -- both still needed when region 0 is reclaimed -- and,
     optionally, a pinned block of its own. Returns the engine just before the put that reclaims
     region 0 (the open region, 3, is full)."""
     cfg = EngineConfig(device_paths=("mem0",), stripe_size_bytes=REGION // 2, region_size_bytes=REGION,
                        eviction="lru")
-    devs = [CrashAt(MemoryDevice(DATA_OFFSET_BYTES + 4 * REGION, "mem0"))]
+    devs = [(wrap or CrashAt)(MemoryDevice(DATA_OFFSET_BYTES + 4 * REGION, "mem0"))]
     Engine.format(cfg, devices=devs)
     engine = Engine.open(cfg, devices=devs)
     fill(engine, range(20))  # regions 0..3
@@ -279,13 +281,13 @@ def test_a_summary_entry_outside_its_regions_seq_span_is_dropped_not_asserted():
     engine.close()
 
 
-def staging_scenario():
+def staging_scenario(wrap=None):
     """FIFO, four regions. Region 0 holds 0-4 with 0 pinned (its new place would overlap its old
     one: it is staged in region 1); region 1 holds a tombstone for 1 (in region 0), which must
     survive region 1's reset while region 0 is still readable by recovery."""
     cfg = EngineConfig(device_paths=("mem0",), stripe_size_bytes=REGION // 2, region_size_bytes=REGION,
                        eviction="fifo")
-    devs = [CrashAt(MemoryDevice(DATA_OFFSET_BYTES + 4 * REGION, "mem0"))]
+    devs = [(wrap or CrashAt)(MemoryDevice(DATA_OFFSET_BYTES + 4 * REGION, "mem0"))]
     Engine.format(cfg, devices=devs)
     engine = Engine.open(cfg, devices=devs)
     fill(engine, range(5))
@@ -324,3 +326,377 @@ def test_a_crash_while_staging_keeps_the_staging_regions_tombstones_for_the_vict
             except DeviceError:
                 pass
             check_after_staging_crash(reopen(cfg, devs))
+
+
+# -- 4. every crash state: any subset of the writes not yet synced -----------------
+class WriteLog(FaultyDevice):
+    """Records every write and sync, so that every state a crash can leave is rebuilt afterwards:
+    what was synced, plus any subset of the writes issued since (a device may reorder them), one
+    of them possibly torn (its first half landed)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.start = bytes(inner.data)
+        self.events: list = []
+
+    def _write(self, offset, buffers, total):
+        data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+        with self._lock:
+            self.events.append((offset, data))
+        super()._write(offset, buffers, total)
+
+    def sync(self) -> None:
+        with self._lock:
+            self.events.append(None)
+        super().sync()
+
+    def crash_states(self):
+        """(label, MemoryDevice) for a crash after each write: the synced writes, plus every subset
+        of the unsynced ones (each also with one of them torn, while they are few)."""
+        writes = [i for i, e in enumerate(self.events) if e is not None]
+        for n in range(len(writes) + 1):
+            cut = writes[n - 1] + 1 if n else 0
+            synced = max([i for i in range(cut) if self.events[i] is None], default=-1)
+            durable = [e for e in self.events[:synced + 1] if e is not None]
+            pending = [e for e in self.events[synced + 1:cut] if e is not None]
+            for landed in itertools.product((False, True), repeat=len(pending)):
+                torn_choices = [None] + ([i for i, ok in enumerate(landed) if not ok] if len(pending) <= 4 else [])
+                for torn in torn_choices:
+                    mem = MemoryDevice(self.inner.size_bytes, self.inner.name)
+                    mem.data[:] = self.start
+                    for offset, data in durable + [p for p, ok in zip(pending, landed) if ok]:
+                        mem.data[offset:offset + len(data)] = data
+                    if torn is not None:
+                        offset, data = pending[torn]
+                        half = len(data) // 2 // 512 * 512
+                        mem.data[offset:offset + half] = data[:half]
+                    yield f"after write {n}, landed {landed}, torn {torn}", mem
+
+
+def record_from_here(devs):
+    """Start recording on the store's one WriteLog device (its current contents are the base)."""
+    log = devs[0]
+    log.start, log.events = bytes(log.inner.data), []
+    return log
+
+
+def check_every_crash_state(log, cfg, check):
+    states = 0
+    for label, mem in log.crash_states():
+        engine = Engine.open(cfg, devices=[mem])
+        try:
+            check(engine, label)
+        finally:
+            engine.close()
+        states += 1
+    return states
+
+
+def one_device_store(regions=4, eviction="fifo", region=REGION, **kw):
+    cfg = EngineConfig(device_paths=("mem0",), stripe_size_bytes=region // 2, region_size_bytes=region,
+                       eviction=eviction, **kw)
+    devs = [WriteLog(MemoryDevice(DATA_OFFSET_BYTES + regions * region, "mem0"))]
+    Engine.format(cfg, devices=devs)
+    return Engine.open(cfg, devices=devs), cfg, devs
+
+
+def test_every_crash_state_of_an_in_place_reclaim_after_a_restart_keeps_its_pinned_block():
+    """The victim's header and its summary pages must not be in flight together: a crash could
+    land the summary (a zeroed trailer) alone, and recovery would scan the old header's region as
+    open from its old base_seq, stop before the new copies (their seqs are past its span after a
+    restart) and never find the pinned block."""
+    engine, cfg, devs = one_device_store()
+    fill(engine, range(15))
+    assert engine.pin_many([key(7)]) == [True]
+    fill(engine, range(15, 19))
+    engine.close()
+    engine = Engine.open(cfg, devices=devs)  # restarted: seqs jump by SEQ_RESTART_GAP
+    fill(engine, range(19, 24))  # region 0 reclaimed (no pins): it holds 19-23
+    assert engine.block_info(key(7))["region"] == 1
+    log = record_from_here(devs)
+    fill(engine, [24])  # region 1 reclaimed in place: 7 is moved to its start
+    engine.flush()
+    assert engine.block_info(key(7))["region"] == 1 and engine.block_info(key(7))["pinned"]
+
+    def check(engine, label):
+        info = engine.block_info(key(7))
+        assert info is not None and info["pinned"], f"the pinned block was lost ({label})"
+        assert same_block(engine.get(key(7)), block(7, PAYLOAD_5_PER_REGION)), label
+        for i in range(25):
+            got = engine.get(key(i))
+            assert got is None or same_block(got, block(i, PAYLOAD_5_PER_REGION)), (i, label)
+
+    assert check_every_crash_state(log, cfg, check) > len([e for e in log.events if e])
+
+
+def test_every_crash_state_of_reusing_a_region_keeps_its_deleted_blocks_deleted():
+    """A reclaimed region's new header alone must invalidate what it held: a zeroed last page
+    written beside it could land without it, and the old header's region, scanned as open, served
+    again the blocks deleted by tombstones that lived in that page."""
+    engine, cfg, devs = one_device_store()
+    fill(engine, range(4))
+    assert engine.delete_many([key(1)]) == [True]  # a durable tombstone in region 0 itself
+    fill(engine, range(4, 20))
+    log = record_from_here(devs)
+    fill(engine, range(20, 26))  # region 0 reclaimed (nothing carried), filled and sealed; region 1 next
+
+    def check(engine, label):
+        assert engine.lookup([key(1)]) == 0, f"a deleted block came back ({label})"
+        for i in range(26):
+            got = engine.get(key(i))
+            assert got is None or same_block(got, block(i, PAYLOAD_5_PER_REGION)), (i, label)
+
+    assert check_every_crash_state(log, cfg, check) > len([e for e in log.events if e])
+
+
+@pytest.mark.parametrize("delete", [True, False], ids=["durable entries", "seal only"])
+def test_every_crash_state_of_a_reused_regions_first_writes_keeps_its_deleted_blocks_deleted(delete):
+    """The new header of a reused region is not synced when written (buffered puts never sync):
+    until it is, neither summary entries made durable (a delete) nor the seal's summary and trailer
+    may leave recovery the old header above them -- scanned as open from the old base_seq, the
+    old blocks would come back without the tombstones of the old summary."""
+    small = 150_000  # 6 blocks leave a gap before the summary: the seal writes two ranges
+    engine, cfg, devs = one_device_store()
+    fill(engine, range(4))
+    assert engine.delete_many([key(1)]) == [True]  # a durable tombstone in region 0 itself
+    fill(engine, range(4, 20))
+    log = record_from_here(devs)
+    engine.put(block(100, small))  # region 0 reclaimed (nothing carried): its new header, not synced
+    if delete:
+        assert engine.delete_many([key(100)]) == [True]  # summary entries made durable in region 0
+    for i in range(101, 108):
+        engine.put(block(i, small))  # region 0 sealed (two ranges) while region 1's header is written
+
+    def check(engine, label):
+        assert engine.lookup([key(1)]) == 0, f"a deleted block came back ({label})"
+        for i in list(range(20)) + list(range(100, 108)):
+            got = engine.get(key(i))
+            assert got is None or same_block(got, block(i, PAYLOAD_5_PER_REGION if i < 20 else small)), (i, label)
+
+    assert check_every_crash_state(log, cfg, check) > len([e for e in log.events if e])
+
+
+# -- 5. tombstones outlive every older copy; seq spans; bad summary entries ----------
+def test_a_tombstone_outlives_an_older_copy_a_crash_left_in_another_region(monkeypatch):
+    """A kill between moving a pinned block out of its region (durable) and rewriting that region's
+    header leaves both copies on flash; recovery serves the newer. Once deleted, its tombstone must
+    stay while the region with the older copy lives -- not only while the newer copy's does."""
+    payload = 100_000
+    cfg = EngineConfig(device_paths=("mem0",), stripe_size_bytes=REGION // 2, region_size_bytes=REGION,
+                       eviction="lru")
+    mem = MemoryDevice(DATA_OFFSET_BYTES + 4 * REGION, "mem0")
+    Engine.format(cfg, devices=[mem])
+    engine = Engine.open(cfg, devices=[mem])
+    put = lambda ids: engine.put_many([block(i, payload) for i in ids])  # noqa: E731
+    put(range(10))
+    assert engine.pin_many([key(3)]) == [True]
+    put(range(10, 20))
+    put(range(20, 30))
+    put(range(30, 35))
+    assert engine.block_info(key(3))["region"] == 0
+
+    class Killed(Exception):
+        pass
+
+    start_region = Engine._start_region
+
+    def killed_before_rewriting_region_0(self, region):
+        if region == 0:
+            self._reap_seal(wait=True)
+            raise Killed()
+        return start_region(self, region)
+
+    monkeypatch.setattr(Engine, "_start_region", killed_before_rewriting_region_0)
+    with pytest.raises(Killed):
+        engine.put(block(99, 600_000))  # region 0 reclaimed: 3 moved to the open region, synced
+    monkeypatch.setattr(Engine, "_start_region", start_region)
+    engine = Engine.open(cfg, devices=[mem])
+    assert engine.block_info(key(3))["region"] == 3 and engine.block_info(key(3))["pinned"]
+    touch = lambda: [engine.get(key(i)) for i in (15, 25, 5)]  # noqa: E731 -- region 0 most recently used
+    touch()
+    assert engine.delete_many([key(3)]) == [True]
+    n = 1000
+    for _ in range(6):  # region 3 (the newer copy, then the tombstone's region) is reclaimed, twice
+        touch()
+        put(range(n, n + 10))
+        n += 10
+    assert engine.block_info(key(5))["region"] == 0, "region 0, with the older copy, must still be live"
+    engine.close()
+    engine = Engine.open(cfg, devices=[mem])
+    assert engine.lookup([key(3)]) == 0, "a deleted block came back from an older copy"
+    engine.close()
+
+
+def test_carried_tombstones_stay_in_their_regions_seq_span_across_a_clean_close():
+    """An in-place reclaim carrying many records: the open region's seq span must hold only its
+    own entries (seqs taken for the victim's copies in between pushed its newest entries -- the
+    carried tombstones -- past seq_span_max, where recovery drops them)."""
+    region = 64 * 1024
+    cfg = EngineConfig(device_paths=("mem0",), stripe_size_bytes=region // 2, region_size_bytes=region,
+                       eviction="lru", reinsertion_hits_min=1)
+    mem = MemoryDevice(DATA_OFFSET_BYTES + 5 * region, "mem0")
+    Engine.format(cfg, devices=[mem])
+    engine = Engine.open(cfg, devices=[mem])
+    in_place = []
+    reclaim_in_place = Engine._reclaim_in_place
+
+    def spy(self, victim, moved, records):
+        in_place.append((victim, len(moved), len(records)))
+        return reclaim_in_place(self, victim, moved, records)
+
+    tiny = lambda i: block(i, 16)  # noqa: E731
+    b, a_cold, a_hot, c, d = range(0, 400), range(1000, 1130), range(2000, 2070), range(3000, 3400), range(4000, 4400)
+    engine.put_many([tiny(i) for i in b])
+    engine.flush()
+    engine.put_many([tiny(i) for i in a_cold])
+    engine.put_many([tiny(i) for i in a_hot])
+    deleted_b = list(range(20))
+    assert all(engine.delete_many([key(i) for i in deleted_b]))  # tombstones in region 1 (A's)
+    engine.flush()
+    for ids in (c, d):
+        engine.put_many([tiny(i) for i in ids])
+        engine.flush()
+    for i in a_hot:
+        assert engine.get(key(i)) is not None
+    for ids in (b, c, d):
+        assert engine.get(key(ids[-1])) is not None
+    doomed = [key(i) for i in list(c) + list(d) + list(b[20:])][:936]  # the open region: nearly all records
+    assert all(engine.delete_many(doomed))
+    Engine._reclaim_in_place = spy
+    try:
+        engine.put(block(9999, 2000))  # does not fit: region 1 (A) reclaimed in place, hot blocks kept
+    finally:
+        Engine._reclaim_in_place = reclaim_in_place
+    assert in_place == [(1, 70, 20)]
+    engine.close()
+    engine = Engine.open(cfg, devices=[mem])
+    assert [i for i in deleted_b if engine.lookup([key(i)]) == 1] == [], "carried tombstones were dropped"
+    assert [k for k in doomed if engine.lookup([k]) == 1] == []
+    assert all(engine.get(key(i)) is not None for i in a_hot)
+    engine.close()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("length", 0), ("length", 0xFFFFFFFF), ("length", 63), ("offset", 0), ("offset", REGION - 1000),
+    ("length", REGION), ("kind", 9),
+], ids=["length 0", "length 2**32-1", "shorter than a header", "offset in the header page",
+        "past the data area", "longer than the region", "unknown kind"])
+def test_a_summary_entry_outside_the_regions_data_area_is_dropped_not_asserted(field, value):
+    from kvtier.daemon.engine.devices import aligned_buffer
+    from kvtier.daemon.engine.recovery import read_region_entries, scan_regions, write_summary
+
+    engine, cfg, devs = mem_engine(regions=4, devices=1)
+    engine.put_many([block(i, 1000) for i in range(5)])
+    engine.flush()
+    base_seq = int(engine._table.base_seq[0])
+    entries = read_region_entries(engine._array, 0, REGION, base_seq)
+    entries[field][2] = value  # a CRC-valid summary with an entry no block can have
+    image = aligned_buffer(REGION)
+    engine._array.read(0, image)
+    write_summary(engine._array, image, 0, engine._generation, entries, base_seq, int(engine._table.data_end[0]))
+    scan = scan_regions(engine._array, 1, REGION, engine._generation)[0]
+    assert (scan.kind, scan.dropped_entries, len(scan.entries)) == ("sealed", 1, 4)
+    engine = reopen(cfg, devs)
+    assert present(engine, range(5)) == [0, 1, 3, 4]
+    assert all(same_block(engine.get(key(i)), block(i, 1000)) for i in (0, 1, 3, 4))
+    engine.close()
+
+
+# -- 6. failures that must leave the engine as it was ---------------------------------
+def test_a_failed_delete_all_changes_nothing_in_memory():
+    """The new generation and seq floor are taken only once the superblocks hold them: a failed
+    write must not leave the engine writing regions of a generation the store does not have."""
+    _, cfg, mem = mem_engine(regions=4, devices=1)
+    devs = [FaultyDevice(mem[0])]
+    engine = Engine.open(cfg, devices=devs)
+    fill(engine, range(3))
+    engine.flush()
+    generation, floor = engine._generation, engine._seq_floor
+    devs[0].fail_writes = True
+    with pytest.raises(DeviceError):
+        engine.delete_all()
+    devs[0].fail_writes = False
+    assert (engine._generation, engine._seq_floor) == (generation, floor)
+    engine.put(block(50, 1000), durable=True)
+    engine = reopen(cfg, devs)  # killed
+    assert present(engine, list(range(3)) + [50]) == [0, 1, 2, 50]
+    assert same_block(engine.get(key(50)), block(50, 1000))
+    engine.close()
+
+
+def test_a_delete_all_that_fails_on_one_device_puts_the_others_superblocks_back():
+    _, cfg, mem = mem_engine(regions=4, devices=2)
+    devs = [FaultyDevice(d) for d in mem]
+    engine = Engine.open(cfg, devices=devs)
+    fill(engine, range(3))
+    engine.flush()
+    before = read_superblocks(mem)
+    devs[1].writes_until_failure = 0  # device 0's superblock is rewritten, device 1's write fails
+    with pytest.raises(DeviceError):
+        engine.delete_all()
+    assert devs[0].statistics().writes >= 2, "device 0's superblock was written, then put back"
+    assert read_superblocks(mem) == before
+    devs[1].writes_until_failure, devs[1].fail_writes = None, False
+    engine.put(block(50, 1000), durable=True)
+    engine = reopen(cfg, devs)  # killed
+    assert present(engine, list(range(3)) + [50]) == [0, 1, 2, 50]
+    engine.close()
+
+
+def test_a_batch_put_stores_a_key_whose_block_a_reclaim_in_the_same_batch_evicted():
+    engine, _, _ = mem_engine(regions=4, devices=1)
+    fill(engine, range(20))  # regions 0..3 full: the next region is region 0, reclaimed
+    seqs = engine.put_many([block(20, PAYLOAD_5_PER_REGION), block(0, PAYLOAD_5_PER_REGION)])
+    assert engine.lookup([key(0)]) == 1, "found before the reclaim that evicted it: never stored"
+    assert engine.block_info(key(0))["seq"] == seqs[1]
+    assert present(engine, range(21)) == [0] + list(range(5, 21))
+    engine.close()
+
+
+class FailingDataReads(FaultyDevice):
+    """Reads of the data area fail; the superblock reads."""
+
+    def _read(self, offset, buffers, total):
+        if offset >= DATA_OFFSET_BYTES:
+            raise self._fault("read")
+        super()._read(offset, buffers, total)
+
+
+def test_a_forced_format_over_an_unreadable_or_partial_old_store_starts_far_above_its_floor():
+    from kvtier.daemon.engine.store import UNSCANNED_SEQ_MARGIN
+
+    engine, cfg, mem = mem_engine(regions=4, devices=1)
+    fill(engine, range(3))
+    engine.close()
+    floor = read_superblocks(mem)[0].seq_floor
+    Engine.format(cfg, force=True, devices=[FailingDataReads(mem[0])])  # its regions cannot be scanned
+    assert read_superblocks(mem)[0].seq_floor == floor + UNSCANNED_SEQ_MARGIN
+    engine = Engine.open(cfg, devices=mem)
+    assert present(engine, range(3)) == []
+    engine.close()
+
+    cfg2 = EngineConfig(device_paths=("mem0", "mem1"), stripe_size_bytes=REGION // 4, region_size_bytes=REGION,
+                        eviction="fifo")
+    pair = [mem[0], MemoryDevice(mem[0].size_bytes, "mem1")]  # one device of the old store, one new
+    floor = read_superblocks(mem)[0].seq_floor
+    Engine.format(cfg2, force=True, devices=pair)
+    assert read_superblocks(pair)[0].seq_floor == floor + UNSCANNED_SEQ_MARGIN
+
+
+@pytest.mark.parametrize("pinned_in_victim", [None, 22, 20], ids=["records into the open region", "in place",
+                                                                  "staged"])
+def test_every_crash_state_of_a_reclaim_keeps_pinned_blocks_and_carried_records(pinned_in_victim):
+    """As the test above, but a crash may land any subset of the writes not yet synced."""
+    engine, cfg, devs = reclaim_scenario(pinned_in_victim, wrap=WriteLog)
+    log = record_from_here(devs)
+    fill(engine, [30])  # the reclaim of region 0
+    engine.flush()
+    check_every_crash_state(log, cfg, lambda engine, label: check_after_crash(engine, pinned_in_victim))
+
+
+def test_every_crash_state_while_staging_keeps_the_staging_regions_tombstones_for_the_victim():
+    engine, cfg, devs = staging_scenario(wrap=WriteLog)
+    log = record_from_here(devs)
+    fill(engine, [20])
+    engine.flush()
+    check_every_crash_state(log, cfg, lambda engine, label: check_after_staging_crash(engine))

@@ -38,13 +38,14 @@ from kvtier.client.stripe import StripeGeometry
 
 from . import regionfmt as fmt
 from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
-from .devices import ALIGNMENT_BYTES, Device, aligned_buffer, align_down, align_up
+from .devices import Device, aligned_buffer, align_down, align_up
 from .errors import DeviceError, EngineError, GeometryError, NoSpaceError
 from .index import PINNED_BIT, SEQ_DELTA_MAX, BlockIndex
 from .openregion import OpenRegion
 from .raid0 import StripedArray
 from .reader import BlockReader, ReadFailure
-from .recovery import LiveSet, RegionScan, read_region_entries, scan_regions, select_live, write_summary
+from .recovery import (LiveSet, RegionScan, read_region_entries, scan_regions, select_live, seq_span_max,
+                       write_summary)
 from .regions import RegionState, RegionTable
 from .reinsertion import HOT_REINSERT_FRACTION_MAX, make_reinsertion
 from .store import StoreLayout, format_store, open_devices, read_superblocks, validate_store, write_generation
@@ -107,6 +108,7 @@ class Engine:
         # a full region is written by the sealer thread from its image while puts fill the spare
         self._spare: OpenRegion | None = OpenRegion(aligned_buffer(self._region_size, populate=True, huge=True))
         self._sealing: tuple[OpenRegion, list, Future | None] | None = None
+        self._header_write: tuple[list, Future] | None = None  # a region header queued behind the seal
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")
         self._table = RegionTable(layout.region_count, self._open.capacity_bytes, cfg.eviction)
         self._reinsertion = make_reinsertion(cfg.reinsertion_hits_min)
@@ -196,6 +198,9 @@ class Engine:
         assert self._active
         self._reap_seal(wait=True)
         image = self._open
+        # recovery drops (silently) a sealed region's entries past its span: never write one
+        assert image.last_seq - image.base_seq <= seq_span_max(self._region_size), \
+            f"region {image.region}: seq span {image.last_seq - image.base_seq} exceeds its entry slots"
         base = image.region * self._region_size
         writes = [(base + start, image.buffer[start:end]) for start, end in image.seal_ranges()]
         self._sealing = (image, writes, self._sealer.submit(self._array.write_ranges, writes))
@@ -208,7 +213,21 @@ class Engine:
 
     def _reap_seal(self, wait: bool) -> None:
         """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED.
-        A failed seal write is retried here, in the caller's thread, and raises if it fails again."""
+        A failed seal write is retried here, in the caller's thread, and raises if it fails again.
+        So is the header write of the region opened since (queued behind the seal)."""
+        self._reap_seal_write(wait)
+        if self._sealing is None and self._header_write is not None:
+            ranges, fut = self._header_write
+            if not wait and not fut.done():
+                return
+            self._header_write = None
+            try:
+                fut.result()
+            except DeviceError:
+                self._stats["device_errors"] += 1
+                self._write_and_sync(ranges)
+
+    def _reap_seal_write(self, wait: bool) -> None:
         if self._sealing is None:
             return
         image, writes, fut = self._sealing
@@ -257,20 +276,34 @@ class Engine:
 
     def _start_region(self, region: int) -> None:
         assert not self._active
+        if self._header_write is not None:  # the image may be the one whose header is queued (staging)
+            self._reap_seal(wait=True)
         base_seq = self._take_seq()
         header = self._open.reset(region, base_seq, self._generation)
         self._table.open(region, base_seq, time.time())
         self._active = True
-        # invalidate what the region held before: new header page + zeroed last page. Not synced
-        # here: the next durable promise syncs every device first (_make_durable). Until then a
-        # power loss may leave the old header and trailer: entries whose bytes were overwritten
-        # fail verification (misses), the others are the region's old, valid blocks -- nothing
-        # that must outlive the region is still only there (see _reclaim).
-        tail = self._open.buffer[self._region_size - ALIGNMENT_BYTES:]
-        tail[:] = bytes(ALIGNMENT_BYTES)
-        base = region * self._region_size
-        self._array.write_ranges([(base, self._open.buffer[:fmt.REGION_HEADER_BYTES]),
-                                  (base + self._region_size - ALIGNMENT_BYTES, tail)])
+        # invalidate what the region held before by its new header page alone. The old trailer then
+        # no longer matches (its base_seq is the old header's; base_seqs are never reused), so the
+        # region is scanned as open from the new base_seq, and every old block and summary entry
+        # is older than that: the walk and the entry scan stop at once. The old trailer is not
+        # zeroed: written in parallel with the header, a crash could land the zeroed page alone --
+        # the old header with a dead trailer, scanned as open from the OLD base_seq, which brings
+        # back the old blocks whose tombstones were in that summary.
+        # Not synced here (buffered puts never fdatasync), so until the next sync the old header
+        # may still be the one on flash while this use's later writes land. Each is safe:
+        # * a block prefix: the old region's entries there fail verification (misses);
+        # * summary entries made durable before the seal: _make_durable syncs every pending write
+        #   (this header) before it writes them;
+        # * the seal's summary and trailer: recovery takes a valid trailer newer than the header
+        #   as the region's (recovery._classify).
+        # Nothing that must outlive the old region is still only there (see _reclaim).
+        # While a seal is in flight the header write queues behind it on the sealer thread (the
+        # seal goes to flash first, as it was issued first); _reap_seal finishes both.
+        ranges = [(region * self._region_size, self._open.buffer[:fmt.REGION_HEADER_BYTES])]
+        if self._sealing is not None:
+            self._header_write = (ranges, self._sealer.submit(self._array.write_ranges, ranges))
+        else:
+            self._array.write_ranges(ranges)
         self._unsynced_writes += 1
         self._open.durable_end = fmt.REGION_HEADER_BYTES
         assert bytes(self._open.buffer[:len(header)]) == header
@@ -301,14 +334,12 @@ class Engine:
         is never dropped): the next one in policy order is tried, else NoSpaceError names the
         causes. A pinned block that fails verification (corrupt) is dropped and counted."""
         causes: list[str] = []
-        for attempt in range(2):
-            for victim in self._table.victims():
-                if self._reclaim_victim(victim, causes):
-                    return
-            if attempt == 0 and self._sealing is not None:
-                self._reap_seal(wait=True)  # the region being sealed may be the one to reclaim
-                continue
-            break
+        # the region being sealed may be the one to reclaim: the victim must not depend on when its
+        # seal write completes (every path below seals the open region, i.e. waits for it anyway)
+        self._reap_seal(wait=True)
+        for victim in self._table.victims():
+            if self._reclaim_victim(victim, causes):
+                return
         self._stats["alloc_failures"] += 1
         if not causes:
             raise NoSpaceError(f"no space: every one of the {self._table.sealed_count} sealed regions holds more "
@@ -324,6 +355,7 @@ class Engine:
         pinned_moved = [block for block, pinned in moved if pinned]
         records = self._needed_records(victim, {victim})
         if not pinned_moved and not records:
+            self._sync_before_dropping(victim, 0)
             self._evict(victim, len(moved))
             if self._active:
                 self._seal(wait=False)
@@ -352,6 +384,7 @@ class Engine:
         if staging_records:
             self._write_records(staging_records)
             self._make_durable(with_entries=True)
+        self._sync_before_dropping(staging, len(staging_records))
         if self._active:
             self._seal(wait=False)
         self._evict(victim, len(moved))
@@ -363,8 +396,9 @@ class Engine:
         self._start_region(victim)
         self._move_in(moved, records)
         self._make_durable(with_entries=True)  # step 2: ... and in the victim, newer
-        self._array.write_ranges([(staging * self._region_size, aligned_buffer(fmt.REGION_HEADER_BYTES))])
-        self._unsynced_writes += 1  # step 3: erase the staging region's header (synced by the next durable promise)
+        # step 3: erase the staging region's header, synced: the table frees the region, so no record
+        # is kept for the stale copies it would otherwise still show recovery
+        self._write_and_sync([(staging * self._region_size, aligned_buffer(fmt.REGION_HEADER_BYTES))])
         self._table.discard_open(staging)
         return True
 
@@ -373,15 +407,23 @@ class Engine:
         region's start) miss the old places of its pinned blocks. Order, each step synced:
 
         1. in the open region: the victim's records still needed, and a pin record for the new
-           copy of each pinned block (its seq is taken now);
+           copy of each pinned block. Seqs are taken in write order -- the records, then the
+           victim's base_seq, then the copies' -- so every region's seq span holds only its own
+           entries (recovery drops entries past ``seq_span_max``); a pin record names the seq its
+           copy is about to get;
         2. the new copies at the victim's start; its header, summary and trailer untouched, so
            recovery still reads the old region, whose pinned blocks are intact;
-        3. the victim's header (new base_seq) and summary pages (the new copies' entries, a zeroed
-           trailer): a crash during it leaves the old sealed region, or an open region whose
-           walk finds the new copies (newer than either base_seq), pinned by the records of 1."""
-        base_seq = self._take_seq()
-        seqs = [self._take_seq() for _ in moved]
+        3. the victim's header (new base_seq), alone: from here recovery scans an open region from
+           the new base_seq, whose walk finds the new copies (pinned by the records of 1); the old
+           trailer no longer matches the header and the old summary entries are older than it;
+        4. the summary pages (the new copies' entries, a zeroed trailer). Were they written with
+           the header, a crash could land them without it: the old header with a dead trailer, an
+           open scan from the old base_seq that stops before the new copies (their seqs are past
+           its span after a restart) and finds the old pinned blocks no more."""
         self._write_records(records)
+        pins = sum(pinned for _, pinned in moved)
+        base_seq = self._next_seq + pins  # taken right after the pin records below
+        seqs = [base_seq + 1 + i for i in range(len(moved))]
         for (block, pinned), seq in zip(moved, seqs):
             if pinned:
                 k0, k1 = _halves(decode_header(block).key)
@@ -389,6 +431,7 @@ class Engine:
         self._make_durable(with_entries=True)  # step 1
         self._evict(victim, len(moved))
         self._seal(wait=False)
+        assert self._take_seq() == base_seq and [self._take_seq() for _ in moved] == seqs, "seqs taken meanwhile"
         image = self._open
         image.reset(victim, base_seq, self._generation)
         tail = self._summary_start(len(moved))
@@ -400,11 +443,12 @@ class Engine:
             offset = image.append_block(memoryview(block), seq, k0, k1, header.ns_id,
                                         fmt.FLAG_PINNED if pinned else 0)
             placed.append((k0, k1, offset, len(block), seq - base_seq, pinned))
+        assert image.last_seq - base_seq <= seq_span_max(self._region_size), (base_seq, image.last_seq)
         base = victim * self._region_size
         self._write_and_sync([(base + fmt.REGION_HEADER_BYTES,
                                image.buffer[fmt.REGION_HEADER_BYTES:align_up(image.data_end)])])  # step 2
-        self._write_and_sync([(base, image.buffer[:fmt.REGION_HEADER_BYTES]),
-                              (base + tail, image.buffer[tail:])])  # step 3
+        self._write_and_sync([(base, image.buffer[:fmt.REGION_HEADER_BYTES])])  # step 3
+        self._write_and_sync([(base + tail, image.buffer[tail:])])  # step 4
         image.durable_end, image.durable_entries = image.data_end, image.entry_count
         self._table.open(victim, base_seq, time.time())
         self._active = True
@@ -507,18 +551,23 @@ class Engine:
 
     def _needed_records(self, region: int, gone: set[int]) -> list[tuple]:
         """The metadata records of ``region`` that must outlive it -- (kind, k0, k1, ns, target_seq)
-        -- if the regions in ``gone`` are evicted: tombstones of blocks in other live regions, and
-        the current pin state of blocks still present."""
+        -- if the regions in ``gone`` are evicted: tombstones and namespace tombstones while a live
+        region outside ``gone`` is older than their target (it may hold a block they delete), and
+        the current pin state of blocks still present.
+
+        A tombstone's target is the newest copy of its key, but a crash can leave older copies
+        in other regions, which recovery serves again once the tombstone is gone (a kill between
+        moving a pinned block out of a victim and rewriting the victim's header leaves both; the
+        index knows only the newest). So a tombstone goes only with the last region that may hold
+        any copy it deletes: one whose base_seq is below the target (a block's seq exceeds its
+        region's base_seq)."""
         live = self._table.state != RegionState.FREE
         live[list(gone)] = False
+        live_base = self._table.base_seq[live]
         out = []
         for kind, k0, k1, ns, _, target_seq in self._table.meta_records.get(region, []):
-            if kind == fmt.KIND_TOMBSTONE:
-                holder = self._table.region_of_seq(target_seq)
-                if holder is not None and holder not in gone:
-                    out.append((kind, k0, k1, ns, target_seq))
-            elif kind == fmt.KIND_NS_TOMBSTONE:
-                if np.any(live & (self._table.base_seq < np.uint64(target_seq))):
+            if kind in (fmt.KIND_TOMBSTONE, fmt.KIND_NS_TOMBSTONE):
+                if np.any(live_base < np.uint64(target_seq)):
                     out.append((kind, k0, k1, ns, target_seq))
             else:
                 slot = self._index.find(k0, k1)
@@ -527,6 +576,14 @@ class Engine:
                     now_pinned = bool(self._index.meta[slot] & np.uint32(PINNED_BIT))
                     out.append((fmt.KIND_PIN if now_pinned else fmt.KIND_UNPIN, k0, k1, ns, target_seq))
         return out
+
+    def _sync_before_dropping(self, region: int, kept: int) -> None:
+        """Before ``region``'s header is rewritten with fewer of its records carried than it holds:
+        make every write so far durable. Whether a record is still needed was judged from the
+        region table, i.e. from the writes issued so far (region headers, seals); a crash must not
+        bring back an older state of flash in which the dropped record would still matter."""
+        if self._unsynced_writes and kept < len(self._table.meta_records.get(region, [])):
+            self._make_durable()
 
     def _write_records(self, records: list[tuple]) -> None:
         for kind, k0, k1, ns, target_seq in records:
@@ -579,7 +636,7 @@ class Engine:
             slots = self._index.find_many(k0s, k1s).tolist()
             k0l, k1l = k0s.tolist(), k1s.tolist()
             pending: list[tuple] = []  # index inserts, done in one vectorized batch per region
-            first_of: dict[tuple[int, int], int] = {}
+            first_of: dict[tuple[int, int], int] = {}  # keys of this batch appended but not yet in the index
             for i, (view, header) in enumerate(zip(views, headers)):
                 if slots[i] >= 0:
                     seqs[i] = self._seq_of(slots[i])
@@ -587,10 +644,17 @@ class Engine:
                 if (k0l[i], k1l[i]) in first_of:  # the same key twice in one batch
                     seqs[i] = seqs[first_of[(k0l[i], k1l[i])]]
                     continue
-                first_of[(k0l[i], k1l[i])] = i
                 if not (self._active and self._open.room_for(view.nbytes)):
                     self._insert_pending(pending)
+                    first_of.clear()
                     self._ensure_room(view.nbytes)
+                    # a reclaim may have evicted or moved blocks and rehashed the index: find the
+                    # rest of the batch again (this batch's blocks so far are in the index now)
+                    slots[i:] = self._index.find_many(k0s[i:], k1s[i:]).tolist()
+                    if slots[i] >= 0:
+                        seqs[i] = self._seq_of(slots[i])
+                        continue
+                first_of[(k0l[i], k1l[i])] = i
                 seq = self._take_seq()
                 region = self._open.region
                 offset = self._open.append_block(view, seq, k0l[i], k1l[i], header.ns_id, 0)
@@ -646,7 +710,12 @@ class Engine:
             base = image.region * self._region_size
             if len(ranges) == 2:
                 # entries first, synced: a torn write then never leaves a moved block on flash (newer
-                # than its old copy) without its pinned flag; an entry whose block is missing is ignored
+                # than its old copy) without its pinned flag; an entry whose block is missing is ignored.
+                # Region headers written since the last sync go first: entries (and the zeroed trailer
+                # of the image) must not land under an older header (see _start_region)
+                if self._unsynced_writes:
+                    self._array.sync()
+                    self._unsynced_writes = 0
                 start, end = ranges.pop()
                 self._array.sync(self._array.write_ranges([(base + start, image.buffer[start:end])]))
             touched = self._array.write_ranges([(base + start, image.buffer[start:end]) for start, end in ranges])
@@ -701,6 +770,11 @@ class Engine:
         got = [n for n in results if n is not None]
         self._count_gets(len(keys), len(got), sum(got))
         return results
+
+    def record_misses(self, count: int) -> None:
+        """Count GETs of keys a caller found absent with :meth:`locate_buffer` and so
+        never asked to read (the server sizes its replies that way)."""
+        self._count_gets(count, 0, 0)
 
     def _count_gets(self, requested: int, hits: int, nbytes: int) -> None:
         with self._lock:
@@ -970,10 +1044,18 @@ class Engine:
             sbs = read_superblocks(self._devices)
             # every seq taken so far is < _next_seq: recovery ignores them all from now on, so no
             # erased block left in a region that is reused later can pass for a new one
-            self._generation += 1
-            self._seq_floor = self._next_seq
-            write_generation(self._devices, sbs, self._generation, self._seq_floor)
-            self._next_seq = self._seq_floor + 1
+            generation, seq_floor = self._generation + 1, self._next_seq
+            try:
+                write_generation(self._devices, sbs, generation, seq_floor)
+            except DeviceError:
+                # nothing changed in memory; put back the superblocks already rewritten, or a reopen
+                # would finish the delete_all and drop what is stored from here on (if this fails
+                # too, it raises: the store then needs a reopen, which finishes the delete_all)
+                self._stats["device_errors"] += 1
+                write_generation(self._devices, sbs, self._generation, self._seq_floor)
+                raise
+            self._generation, self._seq_floor = generation, seq_floor
+            self._next_seq = seq_floor + 1
             self._index.clear()
             self._table.reset_all()
             self._active = False

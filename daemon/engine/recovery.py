@@ -4,11 +4,15 @@
 2. Header invalid, of another generation, or not above the store's seq floor
    (an erased generation's) -> the region is free.
    Trailer valid with the header's generation and base_seq -> *sealed*: read
-   its summary (CRC-checked). Otherwise the region was *open*: read it whole
+   its summary (CRC-checked). A valid trailer with a *newer* base_seq: a later
+   use of the region was sealed before its (unsynced) header reached flash --
+   sealed with the trailer's base_seq, or free if that summary is torn.
+   Otherwise the region was *open*: read it whole
    and walk its self-describing blocks; the walk stops at the first block that
    is torn or corrupt (CRCs), out of place, or not newer than the one before.
    Every entry must lie in the region's seq span, ``base_seq < seq <=
-   base_seq + span_max`` (:func:`seq_span_max`): anything else on flash is
+   base_seq + span_max`` (:func:`seq_span_max`), and a block entry's bytes
+   in the region's data area (:func:`_in_place`): anything else on flash is
    stale or damaged and is dropped (never an assert).
 3. :func:`select_live` merges all entries: per key the newest block wins,
    then tombstones (``seq <= target_seq`` of the key), namespace tombstones
@@ -28,7 +32,7 @@ from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, decode_head
 
 from . import regionfmt as fmt
 from .devices import ALIGNMENT_BYTES, aligned_buffer, align_down
-from .index import SEQ_DELTA_MAX
+from .index import DELETED, SEQ_DELTA_MAX  # DELETED: the index's marker, never a block length
 from .raid0 import StripedArray
 
 SCAN_BATCH_REGIONS = 256  # header/trailer pages read per parallel batch: bounds the scratch memory
@@ -91,12 +95,31 @@ def _classify(array, region, region_size_bytes, generation, head, tail, seq_floo
                           f"floor {seq_floor} (erased)", seq_bound=bound)
     try:
         trailer = fmt.decode_trailer(tail)
-        if (trailer.generation, trailer.base_seq, trailer.region_index) != (generation, header.base_seq, region):
+        # a trailer newer than the header: a later use of the region was sealed but its header
+        # page (not synced until the next durability promise) never reached flash. Its summary is
+        # whole (CRC) and self-describing: the region is that use's (the older use held nothing
+        # that had to outlive it). An older trailer is a former use's: the region is open.
+        if (trailer.generation, trailer.region_index) != (generation, region) or \
+                trailer.base_seq < header.base_seq:
             raise fmt.RegionFormatError("trailer of an older use of this region")
-        entries = _read_summary(array, region, region_size_bytes, trailer)
-        entries, dropped = _in_span(entries, header.base_seq, span_max)
-        last = min(trailer.last_seq, header.base_seq + span_max)
-        note = f"{dropped} summary entries outside the region's seq span dropped" if dropped else ""
+        newer = trailer.base_seq != header.base_seq
+        if newer:
+            bound = max(bound, trailer.base_seq + span_max)
+        try:
+            entries = _read_summary(array, region, region_size_bytes, trailer)
+        except fmt.RegionFormatError as exc:
+            if not newer and not _overwritten_by_newer_use(array, region, region_size_bytes, trailer):
+                raise  # damaged: its blocks are scanned
+            # a later use's summary (torn) lies over this one: neither can be read back whole, and the
+            # older use held nothing that had to outlive it (a walk would serve blocks its lost
+            # summary deleted)
+            return RegionScan(region, "free", note=f"summary overwritten by a later use of the region ({exc})",
+                              seq_bound=bound)
+        entries, dropped = _in_span(entries, trailer.base_seq, span_max)
+        entries, misplaced = _in_place(entries, region_size_bytes, trailer.entry_count)
+        dropped += misplaced
+        last = min(trailer.last_seq, trailer.base_seq + span_max)
+        note = f"{dropped} summary entries outside the region's seq span or data area dropped" if dropped else ""
         return RegionScan(region, "sealed", trailer.base_seq, last, trailer.data_end, entries, dropped, note,
                           seq_bound=bound)
     except fmt.RegionFormatError as exc:
@@ -114,6 +137,35 @@ def _in_span(entries: np.ndarray, base_seq: int, span_max: int) -> tuple[np.ndar
     seq = entries["seq"]
     ok = (seq > np.uint64(base_seq)) & (seq - np.uint64(base_seq) <= np.uint64(span_max))
     return (entries, 0) if ok.all() else (entries[ok], int(len(entries) - np.count_nonzero(ok)))
+
+
+def _in_place(entries: np.ndarray, region_size_bytes: int, entry_count: int) -> tuple[np.ndarray, int]:
+    """The entries of a known kind whose block (block entries) lies whole in the region's data
+    area -- at least a block header long, from REGION_HEADER_BYTES to the start of the summary
+    of ``entry_count`` entries -- and how many were not. A CRC-valid summary may still hold
+    such an entry (a bug, a stray write): dropped here, never handed to the index."""
+    kind = entries["kind"]
+    is_block = kind == fmt.KIND_BLOCK
+    offset = entries["offset"].astype(np.int64)
+    length = entries["length"].astype(np.int64)
+    data_end = region_size_bytes - fmt.summary_bytes(entry_count)
+    placed = ((length >= HEADER_SIZE) & (length < DELETED) & (offset >= fmt.REGION_HEADER_BYTES)
+              & (offset + length <= data_end))
+    ok = np.where(is_block, placed, np.isin(kind, _META_KINDS))
+    return (entries, 0) if ok.all() else (entries[ok], int(len(entries) - np.count_nonzero(ok)))
+
+
+def _overwritten_by_newer_use(array, region, region_size_bytes, trailer) -> bool:
+    """Whether a summary that failed its CRC holds an entry newer than its trailer's last seq:
+    written by a later use of the region whose header never reached flash (a torn seal)."""
+    count = min(trailer.entry_count, (region_size_bytes - fmt.REGION_HEADER_BYTES - fmt.TRAILER_BYTES)
+                // fmt.ENTRY_BYTES)
+    end = region_size_bytes - fmt.TRAILER_BYTES
+    start = align_down(end - fmt.ENTRY_BYTES * count)
+    buf = aligned_buffer(region_size_bytes - start)
+    array.read(region * region_size_bytes + start, buf)
+    raw = np.frombuffer(buf[end - fmt.ENTRY_BYTES * count - start:end - start], dtype=fmt.SUMMARY_DTYPE)
+    return bool(np.any(raw["seq"] > np.uint64(trailer.last_seq)))
 
 
 def _read_summary(array, region, region_size_bytes, trailer) -> np.ndarray:

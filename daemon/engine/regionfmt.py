@@ -15,7 +15,8 @@
     +--------------------+ region_size
 
 A region is *sealed* when its trailer is valid and carries the same
-generation and base_seq as its header. A region whose header is valid but
+generation and base_seq as its header (or a newer base_seq: the header of
+that use never reached flash, see recovery). A region whose header is valid but
 whose trailer is not was open when the store stopped: its blocks are found by
 walking the self-describing block headers from REGION_HEADER_BYTES (every
 block's seq is > base_seq; the walk stops at the first block that is torn,

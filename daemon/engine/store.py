@@ -22,6 +22,8 @@ from .recovery import scan_regions
 from .superblock import DATA_OFFSET_BYTES, SUPERBLOCK_BYTES, Superblock, SuperblockError, decode_superblock
 
 REGION_COUNT_MIN = 2  # one open region plus one to reclaim
+UNSCANNED_SEQ_MARGIN = 1 << 48  # an old store whose regions cannot be scanned: its seqs are taken to lie below
+#                                 its floor plus this (more seqs than a store takes in centuries)
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,13 @@ def erased_seq_floor(devices: Sequence[Device], sbs: Sequence[Superblock | Super
     """The seq floor a new store on these devices starts above: the old store's floor and every
     seq its regions may hold (their header and trailer pages, read with the old geometry), so no
     block of the old store left on flash can pass for a new one in a reused region. 0 without
-    an old store; only the floors when the old superblocks do not describe one whole store."""
+    an old store; the floors plus UNSCANNED_SEQ_MARGIN when the old superblocks do not describe one
+    whole store or its regions cannot be read."""
     valid = [sb for sb in sbs if isinstance(sb, Superblock)]
     if not valid:
         return 0
     floor = max(sb.seq_floor for sb in valid)
+    unscanned = floor + UNSCANNED_SEQ_MARGIN
     ref = valid[0]
     whole = (len(valid) == len(devices) == len(ref.device_uuids)
              and sorted(sb.device_index for sb in valid) == list(range(len(devices)))
@@ -117,14 +121,17 @@ def erased_seq_floor(devices: Sequence[Device], sbs: Sequence[Superblock | Super
                          ref.data_offset_bytes, ref.device_data_bytes) for sb in valid)
              and all(d.size_bytes >= sb.data_offset_bytes + sb.device_data_bytes for d, sb in zip(devices, valid)))
     if not whole:
-        return floor
+        return unscanned
     ordered = [device for _, device in sorted(zip((sb.device_index for sb in valid), devices), key=lambda p: p[0])]
     geometry = StripeGeometry(tuple(u.hex() for u in ref.device_uuids), ref.stripe_size_bytes,
                               ref.data_offset_bytes, ref.device_data_bytes)
     regions = ref.device_data_bytes * len(devices) // ref.region_size_bytes
     generation = max(sb.generation for sb in valid)
-    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="kvtier-format") as pool:
-        scans = scan_regions(StripedArray(ordered, geometry, pool), regions, ref.region_size_bytes, generation)
+    try:
+        with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="kvtier-format") as pool:
+            scans = scan_regions(StripedArray(ordered, geometry, pool), regions, ref.region_size_bytes, generation)
+    except DeviceError:
+        return unscanned  # a failing old device must not stop the format that replaces the store
     return max([floor] + [max(scan.seq_bound, scan.last_seq) for scan in scans])
 
 
