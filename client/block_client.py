@@ -30,11 +30,11 @@ import numpy as np
 
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
+from kvtier.client.sendmsg_all import sendmsg_all
 from kvtier.client.stripe import StripeGeometry
 
 RECV_CHUNK_BYTES = 64 << 10  # frame headers and small replies (payloads land in their buffer); under
 # glibc's mmap threshold: a 256 KiB recv() costs an mmap + munmap per call (~20 us)
-SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
 REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)
 PIPELINE_FRAMES_MAX = 8  # frames in flight per connection: bounds buffering on both sides
@@ -79,23 +79,6 @@ def limits_from_info(info) -> p.Limits:
                     meta_bytes_max=min(d.meta_bytes_max, theirs.get("meta_bytes_max", d.meta_bytes_max)),
                     payload_bytes_max=min(d.payload_bytes_max, theirs.get("payload_bytes_max", d.payload_bytes_max)),
                     block_bytes_max=min(d.block_bytes_max, theirs.get("block_bytes_max", d.block_bytes_max)))
-
-
-def _send_parts(sock: socket.socket, parts: list) -> int:
-    """Write every buffer; the bytes the kernel took (all of them, unless it raises)."""
-    views = [v for v in (memoryview(b).cast("B") for b in parts) if v.nbytes]
-    i, total = 0, 0
-    while i < len(views):
-        n = sock.sendmsg(views[i:i + SENDMSG_IOV_MAX])
-        total += n
-        while n:
-            if n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
-    return total
 
 
 class ReplyBuffers:
@@ -187,7 +170,7 @@ class _Channel:
         sent = 0
         while len(replies) < len(messages):
             while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
-                self.wire_bytes_sent += _send_parts(self.sock, self.conn.send_parts(messages[sent],
+                self.wire_bytes_sent += sendmsg_all(self.sock, self.conn.send_parts(messages[sent],
                                                                                  request_id=self._next_id))
                 self._next_id += 1
                 sent += 1

@@ -28,6 +28,7 @@ import threading
 import time
 
 from kvtier.client import protocol as p
+from kvtier.client.sendmsg_all import sendmsg_all
 from kvtier.daemon.server_arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server_handler import RequestHandler, Session
 from kvtier.daemon.server_stats import ServerStatistics, ServerStatsRecorder
@@ -35,31 +36,12 @@ from kvtier.daemon.server_stats import ServerStatistics, ServerStatsRecorder
 log = logging.getLogger("kvtier.daemon.server")
 
 RECV_CHUNK_BYTES = 64 << 10  # headers and small frames; payloads go straight to their buffer
-SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 LISTEN_BACKLOG = 512  # pending connections the kernel queues
 HELLO_TIMEOUT_S = 5.0  # from accept to a successful HELLO (a client sends it first thing): an idle or
 # trickling unauthenticated peer gives its connection slot back this soon (or at the frame timeout, if shorter)
 SHUTDOWN_GRACE_S = 30.0  # how long stop() waits for in-flight requests
 CLOSE_DRAIN_BYTES_MAX = 4 << 20  # unread bytes swallowed before closing on an error, so the error frame
 CLOSE_DRAIN_S = 0.5  # is not destroyed by a TCP reset; bounded in bytes and time
-
-
-def send_parts(sock: socket.socket, parts) -> int:
-    """Write every buffer with ``sendmsg`` (gather, no joining copy)."""
-    views = [memoryview(b).cast("B") for b in parts]
-    views = [v for v in views if v.nbytes]
-    total, i = 0, 0
-    while i < len(views):
-        n = sock.sendmsg(views[i:i + SENDMSG_IOV_MAX])
-        total += n
-        while n:
-            if n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
-    return total
 
 
 class DataServer:
@@ -234,7 +216,7 @@ class DataServer:
             started = time.perf_counter()
             reply, close_after = handler.handle(event, session)
             try:
-                sent = send_parts(sock, conn.send_parts(reply))
+                sent = sendmsg_all(sock, conn.send_parts(reply))
             finally:
                 handler.reply_sent(session)
             if conn.awaiting_hello and session.greeted:
@@ -270,7 +252,7 @@ class DataServer:
         """Send an error frame, then half-close and drain so it arrives intact."""
         try:
             sock.settimeout(CLOSE_DRAIN_S)
-            send_parts(sock, conn.send_parts(p.ErrorReply(request_id, code, message)))
+            sendmsg_all(sock, conn.send_parts(p.ErrorReply(request_id, code, message)))
         except OSError:
             return
         _linger(sock)
