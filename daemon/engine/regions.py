@@ -138,12 +138,6 @@ class RegionTable:
         return [region for region in self.policy.candidates()
                 if self.state[region] == RegionState.SEALED and self.pinned_bytes[region] <= limit]
 
-    def region_of_seq(self, seq: int) -> int | None:
-        """The sealed or open region whose seq span holds ``seq``, if any."""
-        live = self.state != RegionState.FREE
-        hit = np.nonzero(live & (self.base_seq <= np.uint64(seq)) & (self.last_seq >= np.uint64(seq)))[0]
-        return int(hit[0]) if hit.size else None
-
     @property
     def free_count(self) -> int:
         return len(self._free)
