@@ -78,6 +78,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 11  # the peer stalled mid-frame
     SHUTTING_DOWN = 12
     INTERNAL = 13
+    DEVICE_ERROR = 14  # a device I/O failed (full disk, failing drive); the message names the device
 
 
 class ClientError(Exception):

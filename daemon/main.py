@@ -23,6 +23,7 @@ log = logging.getLogger("kvtier.daemon")
 
 EXIT_CONFIG = 2  # bad flags or config: fix the command line
 EXIT_STARTUP = 1  # the store or a port could not be opened
+EXIT_UNCLEAN = 3  # stopped, but the open region could not be sealed (a device failed): unacknowledged puts lost
 
 
 def format_address(addr) -> str:
@@ -134,8 +135,10 @@ class Daemon:
             log.error("event=reload_failed error=%s (kept the previous settings)", exc)
         self.notifier.notify("READY=1", "STATUS=serving")
 
-    def shutdown(self) -> None:
-        """Stop accepting, finish in-flight requests, seal and sync."""
+    def shutdown(self) -> bool:
+        """Stop accepting, finish in-flight requests, seal and sync; False if the
+        seal failed (every durable put was synced when acknowledged, so only
+        buffered ones are lost)."""
         self.notifier.stopping()
         state = self.state
         state.set_ready(False)
@@ -143,8 +146,14 @@ class Daemon:
         state.data_server.stop()
         if self._admin is not None:
             self._admin.stop()
-        state.engine.close()  # seals and syncs the open region, then closes the devices
+        from kvtier.daemon.engine import EngineError
+        try:
+            state.engine.close()  # seals and syncs the open region, then closes the devices
+        except EngineError as exc:
+            log.error("event=stopped_unclean error=%s (puts not acknowledged as durable were lost)", exc)
+            return False
         log.info("event=stopped uptime_s=%.1f", state.uptime_s)
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=ready %s config=%s", line.removeprefix("kvtierd ready "), daemon.state.config.redacted())
     daemon.notifier.ready(f"serving {line.removeprefix('kvtierd ready ')}")
     daemon.run_until_stopped()
-    daemon.shutdown()
-    return 0
+    return 0 if daemon.shutdown() else EXIT_UNCLEAN
 
 
 if __name__ == "__main__":

@@ -58,8 +58,11 @@ class RequestHandler:
         self._limits = limits
         self._server_statistics = server_statistics
         self.arenas = arenas if arenas is not None else ReplyArenas()
-        from kvtier.daemon.engine import EngineError, NoSpaceError
+        from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, NoSpaceError
         self._engine_error, self._no_space = EngineError, NoSpaceError
+        # engine exceptions other than NoSpace, each with the code the client gets
+        self._engine_codes = ((BlockTooLargeError, p.ErrorCode.TOO_LARGE), (DeviceError, p.ErrorCode.DEVICE_ERROR),
+                              (EngineError, p.ErrorCode.BAD_REQUEST))
         self._dispatch = {
             p.Hello: self._hello, p.Lookup: self._lookup, p.Get: self._get, p.Put: self._put,
             p.Delete: self._delete, p.Pin: self._pin, p.Unpin: self._unpin, p.Flush: self._flush,
@@ -91,7 +94,7 @@ class RequestHandler:
             self._stats.error(p.ErrorCode.BAD_BLOCK.name)
             return p.ErrorReply(msg.request_id, p.ErrorCode.BAD_BLOCK, str(exc)), False
         except self._engine_error as exc:
-            code = p.ErrorCode.TOO_LARGE if "larger" in str(exc) or "region" in str(exc) else p.ErrorCode.BAD_REQUEST
+            code = next(code for kind, code in self._engine_codes if isinstance(exc, kind))
             self._stats.error(code.name)
             return p.ErrorReply(msg.request_id, code, str(exc)), False
         except Exception as exc:  # a bug or a device failure: this request fails, the daemon serves on

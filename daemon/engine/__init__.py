@@ -23,7 +23,7 @@ Modules, one job each:
 """
 from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
 from .engine import Engine
-from .errors import DeviceError, EngineError, GeometryError, NoSpaceError
+from .errors import BlockTooLargeError, DeviceError, EngineError, GeometryError, NoSpaceError
 
-__all__ = ["Engine", "EngineConfig", "EngineStatistics", "BlockLocation", "LOCATION_DTYPE", "EngineError", "NoSpaceError",
+__all__ = ["BlockTooLargeError", "Engine", "EngineConfig", "EngineStatistics", "BlockLocation", "LOCATION_DTYPE", "EngineError", "NoSpaceError",
            "GeometryError", "DeviceError"]

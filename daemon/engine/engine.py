@@ -39,7 +39,7 @@ from kvtier.client.stripe import StripeGeometry
 from . import regionfmt as fmt
 from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
 from .devices import Device, aligned_buffer, align_down, align_up
-from .errors import DeviceError, EngineError, GeometryError, NoSpaceError
+from .errors import BlockTooLargeError, DeviceError, EngineError, GeometryError, NoSpaceError
 from .index import PINNED_BIT, SEQ_DELTA_MAX, BlockIndex
 from .openregion import OpenRegion
 from .raid0 import StripedArray
@@ -623,7 +623,7 @@ class Engine:
             view = memoryview(block).cast("B")
             header = verify_block(view)
             if view.nbytes > self.block_size_max_bytes:
-                raise EngineError(f"block {i} of {view.nbytes} bytes is larger than a region can hold: "
+                raise BlockTooLargeError(f"block {i} of {view.nbytes} bytes is larger than a region can hold: "
                                   f"{self.block_size_max_bytes} bytes (region_size_bytes={self._region_size})")
             views.append(view)
             headers.append(header)

@@ -23,5 +23,9 @@ class GeometryError(EngineError):
     """The configured devices do not match the store on them."""
 
 
+class BlockTooLargeError(EngineError):
+    """A block larger than a region can hold."""
+
+
 class DeviceError(EngineError):
     """A device I/O failed; the message names the device and the operation."""
