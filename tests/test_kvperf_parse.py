@@ -320,3 +320,42 @@ def test_bw_series_folds_a_short_last_window():
     t, bw = bw_series(log.arrays(), runtime_ns=1_010_000_000)
     assert list(t) == [0.5, 1.01]  # the 10 ms tail joined the second window
     assert bw[0] == pytest.approx(5 * 2**20 / 0.5) and bw[1] == pytest.approx(6 * 2**20 / 0.51)
+
+
+# -- block content (verify) without a daemon ----------------------------------
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_block_maker_reuses_buffers_and_matches_encode_block(verify):
+    from kvtier.client.blockformat import encode_block, verify_block
+    from kvtier.tools.kvperf.content import BlockMaker, block_key, payload_for
+
+    maker = BlockMaker("ks", "opaque", 4096 + 3, verify)
+    keys = [block_key(1, "ks", 0, i) for i in range(6)]
+    for round_ in range(2):  # the second round builds into released buffers
+        blocks = maker.blocks(keys[round_ * 3:round_ * 3 + 3])
+        for key, block in zip(keys[round_ * 3:], blocks):
+            verify_block(block, expected_key=key)
+            payload = payload_for(key, 4096 + 3) if verify else payload_for(maker.ns_id, 4096 + 3)
+            assert bytes(block) == encode_block(key, maker.ns_id, maker.codec_id, payload) == maker.block(key)
+        maker.release(blocks)
+
+
+def test_verify_content_follows_the_key():
+    from kvtier.client.blockformat import encode_block
+    from kvtier.tools.kvperf.content import BlockMaker, block_key, check_block, payload_for
+
+    size = 1 << 16
+    a, b = block_key(1, "ks", 0, 0), block_key(1, "ks", 0, 1)
+    pa, pb = payload_for(a, size), payload_for(b, size)
+    assert len(pa) == size and pa != pb and pa[:16] == a and payload_for(a, size) == pa  # deterministic
+    assert payload_for(a, 100) == pa[:16] + payload_for(a, 100)[16:] and len(payload_for(a, 7)) == 7
+    ns = BlockMaker("ks", "opaque", size, True).ns_id
+    assert check_block(encode_block(a, ns, 0, pa), a, size) is None
+    # valid header and CRCs, but content of another key, or one byte changed: caught by the content check
+    assert "differs" in check_block(encode_block(a, ns, 0, a + pb[16:]), a, size)
+    flipped = bytearray(pa)
+    flipped[size - 1] ^= 1
+    assert "differs" in check_block(encode_block(a, ns, 0, bytes(flipped)), a, size)
+    assert "not the expected" in check_block(encode_block(b, ns, 0, pb), a, size)
+    assert "payload is" in check_block(encode_block(a, ns, 0, pa[:-1]), a, size)
+    assert "missing" in check_block(None, a, size)

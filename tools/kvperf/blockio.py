@@ -63,5 +63,10 @@ async def read_blocks(conns: Connections, client, keys: list[bytes], size_bytes:
     return ok
 
 
-def make_blocks(maker: BlockMaker, keys: list[bytes]) -> list[bytes]:
-    return [maker.block(k) for k in keys]
+async def put_blocks(client, maker: BlockMaker, keys: list[bytes], durable: bool) -> None:
+    """Build the blocks for ``keys`` in the maker's reused buffers and PUT them."""
+    blocks = maker.blocks(keys)
+    try:
+        await write_blocks(client, keys, blocks, durable)
+    finally:
+        maker.release(blocks)

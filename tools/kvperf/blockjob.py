@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .blockio import make_blocks, read_blocks, write_blocks
+from .blockio import put_blocks, read_blocks
 from .connect import Connections
 from .content import BlockMaker, block_key
 from .options import JobOptions
@@ -78,16 +78,19 @@ def _ops(job: JobOptions, rng: np.random.Generator) -> Iterator[tuple[str, list[
             return
 
 
-def _lookup_ops(job: JobOptions, rng: np.random.Generator, ntargets: int) -> Iterator[list[int]]:
-    """Chains of block indexes that live on one target, ``lookup_keys`` long at most."""
+def _lookup_ops(job: JobOptions, rng: np.random.Generator, ntargets: int) -> Iterator[tuple[int, int, int]]:
+    """Chains of block indexes that live on one target, ``lookup_keys`` long at
+    most, as (target, first, end): the chain is blocks ``t + ntargets * j`` for
+    ``first <= j < end`` (those under ``job.blocks``)."""
     per_target = -(-job.blocks // ntargets)
     length = min(job.lookup_keys, job.blocks // ntargets or 1)
+    limits = [-(-(job.blocks - t) // ntargets) for t in range(ntargets)]  # target t's blocks: j < limits[t]
     while True:
-        for _ in range(max(1, per_target // length)):
-            t = int(rng.integers(ntargets))
-            first = int(rng.integers(0, max(1, per_target - length + 1)))
-            chain = [t + ntargets * (first + j) for j in range(length)]
-            yield [i for i in chain if i < job.blocks]
+        n = max(1, per_target // length)  # drawn a pass at a time: one numpy call, not two per chain
+        targets = rng.integers(ntargets, size=n).tolist()
+        firsts = rng.integers(0, max(1, per_target - length + 1), size=n).tolist()
+        for t, first in zip(targets, firsts):
+            yield t, first, min(first + length, limits[t])
         if not job.time_based:
             return
 
@@ -102,6 +105,8 @@ class BlockClone:
         self.maker = BlockMaker(job.keyspace, job.codec, job.bs, job.verify)
         self.rng = np.random.default_rng([job.seed, clone])
         self.written = np.zeros(job.blocks, dtype=bool)
+        n = len(conns.clients)
+        self.keys_by_target = [self.keys[t::n] for t in range(n)]  # a LOOKUP chain is a slice of one
 
     def _by_target(self, indexes: list[int]) -> dict[int, list[int]]:
         n = len(self.conns.clients)
@@ -120,7 +125,7 @@ class BlockClone:
                 present = await client.lookup(keys)
                 missing = keys[present:]
                 if missing:
-                    await write_blocks(client, missing, make_blocks(self.maker, missing), self.job.durable)
+                    await put_blocks(client, self.maker, missing, self.job.durable)
                     self.log.laid_out_blocks += len(missing)
 
     async def verify_written(self) -> None:
@@ -134,11 +139,12 @@ class BlockClone:
     async def _request(self, direction: str, indexes: list[int]) -> int:
         """One batch per target it touches; returns bytes moved."""
         moved = 0
-        for t, idx in self._by_target(indexes).items():
+        groups = {0: indexes} if len(self.conns.clients) == 1 else self._by_target(indexes)
+        for t, idx in groups.items():
             client = self.conns.clients[t]
             keys = [self.keys[i] for i in idx]
             if direction == "write":
-                await write_blocks(client, keys, make_blocks(self.maker, keys), self.job.durable)
+                await put_blocks(client, self.maker, keys, self.job.durable)
                 self.written[idx] = True
                 moved += len(keys) * self.job.bs
             else:
@@ -146,33 +152,40 @@ class BlockClone:
                 moved += sum(ok) * self.job.bs
         return moved
 
-    async def _lookup(self, indexes: list[int]) -> int:
-        client = self.conns.clients[indexes[0] % len(self.conns.clients)]
-        found = await client.lookup([self.keys[i] for i in indexes])
-        self.log.lookup_keys += len(indexes)
-        self.log.lookup_found += found
-        self.log.misses += len(indexes) - found
-        return len(indexes)
+    async def _lookup(self, chain: tuple[int, int, int]) -> int:
+        t, first, end = chain
+        found = await self.conns.clients[t].lookup(self.keys_by_target[t][first:end])
+        n = end - first
+        log = self.log
+        log.lookup_keys += n
+        log.lookup_found += found
+        log.misses += n - found
+        return n
 
     async def measured(self, clock: Clock) -> None:
         if self.job.rw == "lookup":
             ops = (("lookup", chain) for chain in _lookup_ops(self.job, self.rng, len(self.conns.clients)))
         else:
             ops = _ops(self.job, self.rng)
+        now = time.perf_counter_ns
+        ramp_end = clock.ramp_end_ns
+        deadline = clock.deadline_ns
+        progress = self.progress.add
+        oplogs = {d: getattr(self.log, d).add for d in ("read", "write", "lookup")}
 
         async def worker() -> None:
-            for direction, indexes in ops:  # one shared iterator: each request is issued once
-                t0 = time.perf_counter_ns()
+            for direction, what in ops:  # one shared iterator: each request is issued once
+                t0 = now()
                 if direction == "lookup":
-                    done = await self._lookup(indexes)
+                    done = await self._lookup(what)
                     nbytes = done * 16
                 else:
-                    nbytes = done = await self._request(direction, indexes)
-                t1 = time.perf_counter_ns()
-                if t1 >= clock.ramp_end_ns:
-                    getattr(self.log, direction).add(t1 - clock.ramp_end_ns, t1 - t0, nbytes)
-                self.progress.add(done)
-                if clock.expired():
+                    nbytes = done = await self._request(direction, what)
+                t1 = now()
+                if t1 >= ramp_end:
+                    oplogs[direction](t1 - ramp_end, t1 - t0, nbytes)
+                progress(done)
+                if deadline is not None and t1 >= deadline:
                     return
 
         await asyncio.gather(*(worker() for _ in range(self.job.iodepth)))

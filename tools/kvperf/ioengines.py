@@ -2,7 +2,9 @@
 
 - ``sync`` (default): the blocking :class:`kvtier.client.BlockClient` -- zero
   copy (``sendmsg`` of header + payload, replies received into buffers) --
-  driven from the clone's event loop through ``iodepth`` threads.
+  driven from the clone's event loop through ``iodepth`` threads. With
+  ``iodepth=1`` only one request is ever in flight, so requests are made on
+  the loop's own thread: no hand-off to a thread and back per request.
 - ``asyncio``: :class:`kvtier.client.AsyncBlockClient` on the event loop
   itself (asyncio streams copy each payload once more).
 
@@ -28,16 +30,23 @@ class ThreadedClient:
                                    client_name="kvperf")
         self._threads = ThreadPoolExecutor(max_workers=max(1, min(threads, THREADS_MAX)),
                                            thread_name_prefix="kvperf-io")
+        if threads <= 1:  # one request at a time: block the loop's thread, nothing else waits on it
+            self._call = self._call_inline
 
-    async def _call(self, fn, *args, **kwargs):
+    async def _call_threaded(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._threads,
                                                                 functools.partial(fn, *args, **kwargs))
 
-    async def ping(self):
-        return await self._call(self._client.ping)
+    _call = _call_threaded
+
+    async def _call_inline(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    async def ping(self):  # on a thread, so that the caller's wait_for can time it out
+        return await self._call_threaded(self._client.ping)
 
     async def geometry(self):
-        return await self._call(self._client.geometry)
+        return await self._call_threaded(self._client.geometry)
 
     async def put(self, key, block, durable: bool = False):
         return await self._call(self._client.put, key, block, durable=durable)

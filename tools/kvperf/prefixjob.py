@@ -20,7 +20,7 @@ import time
 
 from kvtier.client.keys import chain_keys
 
-from .blockio import make_blocks, read_blocks, write_blocks
+from .blockio import read_blocks, write_blocks
 from .blockjob import Clock, Progress
 from .connect import Connections
 from .content import BlockMaker, keyspace_ns_id
@@ -71,9 +71,12 @@ class PrefixClone:
         missing = keys[hits:]
         for s in range(0, len(missing), self.step):
             chunk = missing[s:s + self.step]
-            blocks = make_blocks(self.maker, chunk)
+            blocks = self.maker.blocks(chunk)  # built before the clock starts, in reused buffers
             t0 = time.perf_counter_ns()
-            await write_blocks(client, chunk, blocks, self.job.durable)
+            try:
+                await write_blocks(client, chunk, blocks, self.job.durable)
+            finally:
+                self.maker.release(blocks)
             self._record("write", clock, t0, len(chunk) * self.job.bs)
         end = time.perf_counter_ns()
         if end >= clock.ramp_end_ns:
