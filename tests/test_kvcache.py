@@ -300,3 +300,43 @@ def test_cuda_device_pool_loads_the_same_kv(daemon):
     with KVCache(ns("cuda"), daemon.data_addr, hot_pool_bytes=0, device="cuda") as cache:
         loaded = cache.load(tokens)  # warm, decoded on the device
         assert prefix_equal([(k.cpu(), v.cpu()) for k, v in loaded.layers], kv, 32)
+
+
+class _DecodeFault(RuntimeError):
+    pass
+
+
+class _FailingDecode:
+    """The cache's own codec, except that decoding raises (fault injection)."""
+
+    def __init__(self, codec):
+        self._codec = codec
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+    def decode(self, data, out):
+        raise _DecodeFault("injected decode failure")
+
+
+def test_a_decode_that_raises_leaves_no_hot_pool_reservation_behind(daemon):
+    """A decode failing with anything (a CUDA error, a bug) - not only the codec's
+    ValueError - must give the reserved hot-pool slot back: otherwise that key could
+    never become hot again and the slot is lost."""
+    tokens = list(range(9000, 9016))
+    kv = make_kv(16, seed=11)
+    with KVCache(ns("decode-fault"), daemon.data_addr, hot_pool_bytes=0) as writer:
+        assert writer.store(tokens, kv) == 2
+    with KVCache(ns("decode-fault"), daemon.data_addr, hot_pool_bytes=8 * LAYOUT.block_raw_bytes) as cache:
+        real_codec = cache.codec
+        cache.codec = _FailingDecode(real_codec)
+        try:
+            with pytest.raises(_DecodeFault):
+                cache.load(tokens)
+        finally:
+            cache.codec = real_codec
+        pool = cache.statistics()
+        assert pool.hot_blocks_resident == 0 and pool.hot_blocks_referenced == 0
+        again = cache.load(tokens)  # the same keys decode into the pool now
+        assert again.num_tokens == 16 and prefix_equal(again.layers, kv, 16)
+        assert cache.load(tokens).blocks_hot == 2
