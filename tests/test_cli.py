@@ -275,3 +275,14 @@ def test_format_then_fsck_finds_planted_corruption_and_repairs_it(tmp_path, caps
         assert engine.get(keys[2]) is None, "the corrupt block is gone, never served"
         for i in (0, 1, 3, 4, 5):
             assert bytes(payload_of(engine.get(keys[i]))) == bytes([i]) * 50_000
+
+
+def test_a_bad_token_file_is_a_usage_error_naming_it(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    for path, fragment in ((empty, "empty"), (big, "longer than"), (tmp_path / "absent", "No such file")):
+        assert main(["--token-file", str(path), "status"]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and fragment in err

@@ -34,12 +34,12 @@ import sys
 from kvtier.client.blockformat import BlockFormatError, encode_block, payload_of, verify_block
 from kvtier.daemon.engine.errors import EngineError
 from kvtier.daemon.config import ConfigError, DaemonConfig, load_toml, parse_size
+from kvtier.daemon.state import read_token
 from kvtier.kernels.codec_ids import OPAQUE_CODEC_ID, codec_id
 from kvtier.tools.admin_client import DEFAULT_ADMIN_ADDRESS, AdminClient, AdminError
 from kvtier.tools.admin_render import render_block_info, render_stats, render_status
 
 DEFAULT_CONFIG_PATH = "/etc/kvtier/kvtierd.toml"
-TOKEN_FILE_BYTES_MAX = 4096  # a token is a short secret; refuse to slurp a wrong file
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -61,17 +61,11 @@ def _config_settings(args) -> dict:
 
 
 def read_token_file(path: str) -> str:
+    """The token the daemon would read from ``path`` (same rules: kvtier.daemon.state.read_token)."""
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(TOKEN_FILE_BYTES_MAX + 1)
-    except OSError as exc:
-        raise UsageError(f"token file {path}: {exc.strerror}") from None
-    if len(raw) > TOKEN_FILE_BYTES_MAX:
-        raise UsageError(f"token file {path} is over {TOKEN_FILE_BYTES_MAX} bytes; is it the right file?")
-    token = raw.decode(errors="strict").strip()
-    if not token:
-        raise UsageError(f"token file {path} is empty")
-    return token
+        return read_token(path)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def resolve_admin(args) -> AdminClient:
