@@ -5,22 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from cuda_reason import cuda_skip_reason
 from kvtier.kernels import get_codec
 
 
-def _cuda_reason():
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed"
-    if not cupy.cuda.is_available():
-        return "no CUDA device (cupy.cuda.is_available() is False)"
-    if not torch.cuda.is_available():
-        return "torch has no CUDA"
-    return None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))]
 
 SHAPES = [(2, 2, 4, 64, 128), (3, 17, 64), (1, 1, 8), (5, 300, 96)]
 

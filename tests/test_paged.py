@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_reason import cuda_skip_reason
 from kvtier.kernels.paged import FLASH_ATTN, FLASHINFER, HND, PagedLayout, gather_blocks, scatter_blocks
 
 LAYOUTS = {"flash_attn": FLASH_ATTN, "flashinfer": FLASHINFER, "hnd": HND}
@@ -92,20 +93,8 @@ def test_bad_arguments():
         gather_blocks([layers[0][0]], [0], FLASH_ATTN)
 
 
-def _cuda_reason():
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed"
-    if not cupy.cuda.is_available():
-        return "no CUDA device (cupy.cuda.is_available() is False)"
-    if not torch.cuda.is_available():
-        return "torch has no CUDA"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))
+@pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8], ids=str)
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 def test_cuda_kernel_matches_torch_reference(layout_name, dtype):
