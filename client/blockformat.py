@@ -99,10 +99,12 @@ def decode_header(buf) -> BlockHeader:
                        seq=seq, payload_crc=pcrc, flags=flags)
 
 
-def verify_block(buf, expected_key: bytes | None = None, expected_seq: int | None = None) -> BlockHeader:
+def verify_block(buf, expected_key: bytes | None = None, expected_seq: int | None = None,
+                 payload: bool = True) -> BlockHeader:
     """Check a whole block: header, payload length and CRC, and the key and
     sequence the reader expects. Raises :class:`BlockFormatError` naming the
-    first problem found."""
+    first problem found. ``payload=False`` skips the payload CRC: for a holder
+    that only passes the block on to a reader who checks it (the daemon's GET)."""
     view = memoryview(buf).cast("B")
     header = decode_header(view)
     if view.nbytes != header.block_size:
@@ -111,7 +113,7 @@ def verify_block(buf, expected_key: bytes | None = None, expected_seq: int | Non
         raise BlockFormatError(f"block key {header.key.hex()} is not the expected {bytes(expected_key).hex()}")
     if expected_seq is not None and header.seq != expected_seq:
         raise BlockFormatError(f"block sequence {header.seq} is not the expected {expected_seq}")
-    if crc32c.crc32c(view[HEADER_SIZE:]) != header.payload_crc:
+    if payload and crc32c.crc32c(view[HEADER_SIZE:]) != header.payload_crc:
         raise BlockFormatError(f"payload CRC mismatch for key {header.key.hex()}")
     return header
 

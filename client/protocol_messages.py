@@ -133,9 +133,13 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Get:
+    """``verify``: the daemon checks each block's payload CRC before sending it (and drops one
+    that fails); without it the payload CRC is the reader's to check."""
+
     request_id: int
     keys: tuple[bytes, ...]
     ns_id: bytes | None = None
+    verify: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,20 @@ def op_lookup(keys: Sequence[bytes], ns_id, want_locations: bool, limits: p.Limi
 
 def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = True, copy: bool = True) -> Op:
     """Verified blocks (bytes, or read-only memoryviews without ``copy``) or
-    None per key; DEFERRED items are asked again."""
+    None per key, and how many came back corrupt; DEFERRED items are asked
+    again. The daemon leaves payload CRCs to the reader: a block that fails is
+    asked for once more with ``verify`` (the daemon then checks it and drops a
+    copy corrupt on flash, so the key reads as a miss and a re-put can replace
+    it); a block that fails again is a miss."""
     keys = [check_key(k) for k in keys]
     results: list = [None] * len(keys)
     pending = list(range(len(keys)))
+    retry: list[int] = []
+    daemon_verifies = False
     corrupt = 0
     while pending:
         chunks = list(_chunks(pending, limits.batch_count_max))
-        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id) for c in chunks]
+        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id, daemon_verifies) for c in chunks]
         pending = []
         for chunk, reply in zip(chunks, replies):
             for i, block in zip(chunk, reply.blocks):
@@ -64,11 +70,14 @@ def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = T
                 elif block is not None:
                     if verify and not verify_ok(block, keys[i]):
                         corrupt += 1
+                        retry.append(i)
                         continue
                     if copy:
                         results[i] = block if type(block) is bytes else bytes(block)
                     else:
                         results[i] = block if type(block) is bytes else block.toreadonly()
+        if not pending and retry and not daemon_verifies:
+            pending, retry, daemon_verifies = retry, [], True
     return results, corrupt
 
 

@@ -149,12 +149,14 @@ class RequestHandler:
         come back DEFERRED for the client to ask again (always at least one).
 
         The blocks are located first, so the reply's size is known before a
-        byte is read; then they are read straight into a page-aligned reply
-        arena this connection borrows from the daemon-wide pool (the engine
-        reads an aligned block there with one device read and one CRC pass,
-        no copy) and sent from it; the server gives the arena back once the
-        reply is sent (:meth:`reply_sent`). With the pool spent, the blocks
-        are copied instead."""
+        byte is read; then each is read straight into a page-aligned reply
+        arena this connection borrows from the daemon-wide pool -- its aligned
+        range, one device read, sent from where it landed, no copy -- and the
+        server gives the arena back once the reply is sent (:meth:`reply_sent`).
+        With the pool spent, the blocks are copied instead. Header, key and
+        seq are checked here; the payload CRC is the reader's to check (once,
+        end to end) unless the request asks for it (``verify``: a reader's
+        second try after a mismatch, which drops a block corrupt on flash)."""
         keys = msg.keys
         if not keys:
             return p.GetReply(msg.request_id, ()), False
@@ -162,21 +164,23 @@ class RequestHandler:
         lengths = np.where(rows["found"], rows["length"], 0).astype(np.int64)
         send = max(1, int(np.searchsorted(np.cumsum(lengths), self._limits.payload_bytes_max, side="right")))
         hit = np.nonzero(lengths[:send])[0]
-        spans = -(-lengths[hit] // ALIGNMENT_BYTES) * ALIGNMENT_BYTES  # each block starts page-aligned
+        first = rows["logical_offset"][hit].astype(np.int64)
+        spans = (-(-(first + lengths[hit]) // ALIGNMENT_BYTES) - first // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
         starts = (np.cumsum(spans) - spans).tolist()
         arena = self._reply_buffer(session, max(int(spans.sum()), ALIGNMENT_BYTES))
         if arena is None:  # every arena the daemon-wide budget allows is lent out
             return self._get_copying(msg)
         targets = [arena[start:start + span] for start, span in zip(starts, spans.tolist())]
         try:
-            sizes = self._engine.get_many_into([keys[i] for i in hit.tolist()], targets)
+            placed = self._engine.get_many_placed([keys[i] for i in hit.tolist()], targets,
+                                                  verify_payload=msg.verify)
         except self._engine_error:  # a block grew since it was located (deleted and put again)
             return self._get_copying(msg)
         blocks: list = [None] * send + [p.DEFERRED] * (len(keys) - send)
-        for i, target, size in zip(hit.tolist(), targets, sizes):
-            if size is not None:
-                blocks[i] = target[:size]
-        hits = sum(size is not None for size in sizes)
+        for i, target, where in zip(hit.tolist(), targets, placed):
+            if where is not None:
+                blocks[i] = target[where[0]:where[0] + where[1]]
+        hits = sum(where is not None for where in placed)
         self._engine.record_misses(send - len(hit))  # absent at locate time: never read
         self._stats.namespace(msg.ns_id, hits, send - hits)
         return p.GetReply(msg.request_id, tuple(blocks)), False

@@ -154,3 +154,15 @@ def _merge(defaults: list[str], extra: list[str]) -> list[str]:
         out = _replace_flag(out, flag, extra[i + 1]) if flag in out else out + [flag, extra[i + 1]]
         i += 2
     return out
+
+
+def device_map_of(daemon) -> dict[str, str]:
+    """{device id: path} of a daemon's device files, from their superblocks."""
+    from kvtier.daemon.engine.superblock import decode_superblock
+
+    out = {}
+    for path in sorted(daemon.data_dir.glob("device*.img")):
+        with open(path, "rb") as f:
+            out[decode_superblock(f.read(4096)).device_uuid.hex()] = str(path)
+    assert out, f"no device files in {daemon.data_dir}"
+    return out

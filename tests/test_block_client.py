@@ -14,6 +14,9 @@ from kvtier.client import protocol as p
 from kvtier.client import protocol_frames as f
 from kvtier.client.blockformat import HEADER_SIZE, decode_header, encode_block, verify_block
 from kvtier.client.keys import KVLayout, Namespace, chain_keys
+from kvtier.client import protocol_ops as ops
+
+from daemon_proc import device_map_of
 
 NS = b"\x07" * 16
 
@@ -102,6 +105,54 @@ def test_bad_block_is_refused_and_named(kvtierd):
         with pytest.raises(RemoteError, match="item 0.*not the item's key"):
             c.put(keys_of(1, 7)[0], make_block(key, 100))
         assert c.get(key) is None and c.lookup([key]) == 0
+
+
+def flip_byte_on_flash(daemon, client, key: bytes, at: int) -> None:
+    """Flip one byte of a stored block in its device file, behind the daemon's back."""
+    (_, (loc,)) = client.lookup_locations([key])
+    geometry = client.geometry()
+    device, offset, _ = geometry.map_range(loc.logical_offset + at, 1)[0]
+    with open(device_map_of(daemon)[geometry.device_ids[device]], "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)
+        f.seek(offset)
+        f.write(bytes([old[0] ^ 0xFF]))
+
+
+def test_a_block_corrupt_on_flash_is_a_miss_and_a_re_put_replaces_it(kvtierd):
+    """The daemon sends blocks with their header, key and seq checked and leaves the payload
+    CRC to the client; a block that fails is asked for again with VERIFY, the daemon finds the
+    corruption, drops the block and answers a miss -- so a re-put stores a good copy."""
+    keys = keys_of(3, 40)
+    blocks = [make_block(k, 100_000 + 999 * i) for i, k in enumerate(keys)]
+    with BlockClient(kvtierd.data_addr) as c:
+        c.put_many(list(zip(keys, blocks)))
+        c.flush()
+        flip_byte_on_flash(kvtierd, c, keys[1], HEADER_SIZE + 5000)
+        flip_byte_on_flash(kvtierd, c, keys[2], HEADER_SIZE + 7)
+        got = c.get_many(keys)
+        assert got[1] is None and got[0][HEADER_SIZE:] == blocks[0][HEADER_SIZE:] and got[2] is None
+        assert c.statistics().corrupt_blocks == 2  # as sent; asked again, the daemon checks and drops them
+        assert c.stats()["engine"]["corrupt_reads"] == 2 and c.lookup(keys[1:2]) == 0
+        c.put(keys[1], blocks[1])
+        assert c.get(keys[1])[HEADER_SIZE:] == blocks[1][HEADER_SIZE:]
+        flip_byte_on_flash(kvtierd, c, keys[0], HEADER_SIZE + 1)
+        buf = bytearray(len(blocks[0]))
+        assert c.get_into(keys[0], buf) is None and c.lookup(keys[:1]) == 0
+        assert c.statistics().corrupt_blocks == 3
+
+
+def test_get_verify_flag_makes_the_daemon_check_payloads(kvtierd):
+    keys = keys_of(2, 41)
+    blocks = [make_block(k, 50_000) for k in keys]
+    with BlockClient(kvtierd.data_addr) as c:
+        c.put_many(list(zip(keys, blocks)))
+        c.flush()
+        flip_byte_on_flash(kvtierd, c, keys[0], HEADER_SIZE + 100)
+        plain = c._call(lambda: ops.op_single(p.Get(0, tuple(keys))))
+        assert plain.blocks[0] is not None and len(plain.blocks[0]) == len(blocks[0])  # sent; the reader checks
+        checked = c._call(lambda: ops.op_single(p.Get(0, tuple(keys), None, True)))
+        assert checked.blocks[0] is None and bytes(checked.blocks[1])[HEADER_SIZE:] == blocks[1][HEADER_SIZE:]
 
 
 def test_big_gets_are_split_and_deferred_items_fetched(kvtierd):

@@ -72,7 +72,7 @@ def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
         def __init__(self, inner):
             self._inner, self.calls = inner, 0
 
-        def get_many_into(self, keys, bufs):
+        def get_many_placed(self, keys, bufs, verify_payload=True):
             self.calls += 1
             raise EngineError("buffer of 4096 bytes is too small for the 8192-byte block")
 
@@ -90,7 +90,7 @@ def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
         [blocks[0][HEADER_SIZE:], None, blocks[2][HEADER_SIZE:]]
 
 
-def test_get_reply_blocks_land_page_aligned_in_the_connections_buffer(engine):
+def test_get_reply_blocks_land_in_the_connections_buffer(engine):
     from kvtier.client import protocol as p
     from kvtier.daemon.server_handler import GET_ARENA_BYTES_MAX, RequestHandler, Session
     from kvtier.daemon.server_stats import ServerStatsRecorder

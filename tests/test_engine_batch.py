@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.client.blockformat import HEADER_SIZE, encode_block
+from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, encode_block, verify_block
 from kvtier.daemon.engine import BlockLocation, EngineError
 from kvtier.daemon.engine.config import LOCATION_DTYPE
 from kvtier.daemon.engine.devices import aligned_buffer
@@ -164,6 +164,88 @@ def test_get_many_into_checks_every_buffer_before_reading(busy):
     assert busy.get_many_into([key(99)], [small]) == [None]  # a miss needs no room
     after = busy.statistics()
     assert (after.hits, after.misses) == (before.hits, before.misses + 1)
+
+
+def odd_block(i: int, nbytes: int) -> bytes:
+    """A block of ``nbytes`` (not a page multiple): blocks after it start unaligned."""
+    payload = np.random.default_rng(1000 + i).integers(0, 256, nbytes - HEADER_SIZE, dtype=np.uint8).tobytes()
+    return encode_block(key(i), NS, 1, payload)
+
+
+def aligned_range(loc) -> int:
+    first = loc.logical_offset // PAGE * PAGE
+    return -(-(loc.logical_offset + loc.length) // PAGE) * PAGE - first
+
+
+def test_get_many_placed_reads_unaligned_blocks_straight_into_the_buffer():
+    engine, _, _ = mem_engine(regions=4)
+    sent = {i: odd_block(i, 3 * PAGE + 1000 + 77 * i) for i in range(6)}
+    engine.put_many(list(sent.values()))
+    engine.flush()
+    sent[6] = odd_block(6, 5000)
+    engine.put(sent[6])  # in the open region: copied, at offset 0
+    ids = [5, 0, 6, 3, 99, 1]
+    locs = engine.locate_many([key(i) for i in ids])
+    assert sum(1 for loc in locs if loc is not None and loc.logical_offset % PAGE) == 3  # 5, 3, 1
+
+    def no_pool(nbytes):
+        raise AssertionError("a buffer holding the aligned range must be read into directly")
+
+    engine._reader._buffers.take = no_pool
+    bufs = [aligned_buffer(aligned_range(loc) if loc else PAGE) for loc in locs]
+    placed = engine.get_many_placed([key(i) for i in ids], bufs)
+    assert placed[4] is None
+    for i, loc, buf, where in zip(ids, locs, bufs, placed):
+        if loc is None:
+            continue
+        offset, size = where
+        assert size == len(sent[i]) and same_block(bytes(buf[offset:offset + size]), sent[i])
+        assert offset == (loc.logical_offset % PAGE if loc.sealed else 0)
+    st = engine.statistics()
+    assert (st.hits, st.misses) == (5, 1)
+    engine.close()
+
+
+def test_get_many_placed_copies_to_offset_zero_when_the_buffer_is_small_or_unaligned():
+    engine, _, _ = mem_engine(regions=4)
+    first, second = odd_block(1, 2 * PAGE + 100), odd_block(2, 2 * PAGE + 300)
+    engine.put_many([first, second])
+    engine.flush()
+    exact = bytearray(len(second))  # holds the block, not its aligned range
+    odd = memoryview(bytearray(4 * PAGE + 1))[1:]  # room enough, not page-aligned
+    assert engine.get_many_placed([key(2), key(2)], [exact, odd]) == [(0, len(second))] * 2
+    assert same_block(bytes(exact), second) and same_block(bytes(odd[:len(second)]), second)
+    with pytest.raises(EngineError, match="too small"):
+        engine.get_many_placed([key(1)], [bytearray(len(first) - 1)])
+    engine.close()
+
+
+@pytest.mark.parametrize("verify_payload", [True, False])
+def test_placed_reads_leave_the_payload_crc_to_the_reader_unless_asked(verify_payload):
+    """Without ``verify_payload`` a flipped payload byte passes the engine (the reader's CRC
+    check catches it; the daemon's GET works that way), with it the block is a miss and is
+    dropped. A flipped header byte is caught either way."""
+    engine, _, devs = mem_engine(regions=4, devices=1)
+    blocks = [odd_block(i, 2 * PAGE + 500) for i in range(3)]
+    engine.put_many(blocks)
+    engine.flush()
+    payload_loc, header_loc = engine.locate_many([key(1), key(2)])
+    for loc, at in ((payload_loc, HEADER_SIZE + 10), (header_loc, 20)):
+        devs[0].data[engine.geometry.map_range(loc.logical_offset + at, 1)[0][1]] ^= 0xFF
+    bufs = [aligned_buffer(4 * PAGE) for _ in range(3)]
+    placed = engine.get_many_placed([key(i) for i in range(3)], bufs, verify_payload=verify_payload)
+    offset, size = placed[0]
+    assert same_block(bytes(bufs[0][offset:offset + size]), blocks[0])
+    assert placed[2] is None and engine.lookup([key(2)]) == 0
+    if verify_payload:
+        assert placed[1] is None and engine.lookup([key(1)]) == 0
+        assert engine.statistics().corrupt_reads == 2
+    else:
+        offset, size = placed[1]
+        with pytest.raises(BlockFormatError, match="payload CRC"):
+            verify_block(bufs[1][offset:offset + size], key(1))
+        assert engine.lookup([key(1)]) == 1 and engine.statistics().corrupt_reads == 1
+    engine.close()
 
 
 def test_a_corrupt_block_read_into_a_callers_buffer_is_a_miss():

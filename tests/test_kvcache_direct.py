@@ -6,24 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon_proc import start_kvtierd
+from daemon_proc import device_map_of, start_kvtierd
 from kvtier.client.blockformat import encode_block
 from kvtier.client.direct_reader import DirectLocation, DirectReader
 from kvtier.client.keys import KVLayout, Namespace
 from kvtier.client.kvcache import KVCache
-from kvtier.daemon.engine.superblock import decode_superblock
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
-
-
-def device_map_of(daemon) -> dict[str, str]:
-    """{device id: path} of a daemon's device files, from their superblocks."""
-    out = {}
-    for path in sorted(daemon.data_dir.glob("device*.img")):
-        with open(path, "rb") as f:
-            out[decode_superblock(f.read(4096)).device_uuid.hex()] = str(path)
-    assert out, f"no device files in {daemon.data_dir}"
-    return out
 
 
 def make_kv(tokens: int, seed: int):

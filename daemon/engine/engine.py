@@ -752,6 +752,20 @@ class Engine:
     def get_many_into(self, keys: Sequence, bufs: Sequence) -> list[int | None]:
         """The batch form of :meth:`get_into`: block i goes to ``bufs[i]`` (writable, distinct).
         Every buffer is checked for size against the index before any read."""
+        return self._get_into(keys, bufs, placed=False, verify_payload=True)
+
+    def get_many_placed(self, keys: Sequence, bufs: Sequence,
+                        verify_payload: bool = True) -> list[tuple[int, int] | None]:
+        """Like :meth:`get_many_into`, but block i may land anywhere in ``bufs[i]``: it comes back
+        as ``(offset, size)``, the block being ``bufs[i][offset:offset + size]``. A block on flash
+        is read straight into a page-aligned buffer that holds its aligned range (its size plus up
+        to 4 KiB either side) whatever its alignment -- one device read, no copy; a smaller
+        buffer needs only the block's size and gets a copy at offset 0. ``verify_payload=False``
+        checks header, key and seq of blocks read from flash but not the payload CRC: for a
+        caller passing the block to a reader that checks it (the daemon's GET)."""
+        return self._get_into(keys, bufs, placed=True, verify_payload=verify_payload)
+
+    def _get_into(self, keys: Sequence, bufs: Sequence, placed: bool, verify_payload: bool) -> list:
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
         keys = [bytes(k) for k in keys]
@@ -759,16 +773,16 @@ class Engine:
         for i, target in enumerate(targets):
             if target.readonly:
                 raise TypeError(f"buffer {i} is read-only")
-        results: list[int | None] = [None] * len(keys)
-        pending = self._serve_or_locate(keys, results, targets)
+        results: list = [None] * len(keys)
+        pending = self._serve_or_locate(keys, results, targets, placed)
         for _ in range(READ_RETRIES + 1):
             if not pending:
                 break
-            pending = self._read_sealed(keys, pending, results, targets)
+            pending = self._read_sealed(keys, pending, results, targets, placed, verify_payload)
         if pending:
             self._drop_corrupt(keys, pending)
-        got = [n for n in results if n is not None]
-        self._count_gets(len(keys), len(got), sum(got))
+        sizes = [r[1] if placed else r for r in results if r is not None]
+        self._count_gets(len(keys), len(sizes), sum(sizes))
         return results
 
     def record_misses(self, count: int) -> None:
@@ -796,10 +810,10 @@ class Engine:
         self._count_gets(len(keys), len(got), sum(len(r) for r in got))
         return results
 
-    def _serve_or_locate(self, keys, results, targets=None) -> list[tuple[int, int, int, int]]:
+    def _serve_or_locate(self, keys, results, targets=None, placed: bool = False) -> list[tuple[int, int, int, int]]:
         """Serve open-region hits into ``results`` (as bytes, or copied into ``targets`` and their
-        sizes); returns (i, addr, length, seq) of the ones on flash. With ``targets``, every hit's
-        buffer is checked for size first."""
+        sizes -- ``placed``: (0, size)); returns (i, addr, length, seq) of the ones on flash. With
+        ``targets``, every hit's buffer is checked for size first."""
         if not keys:
             return []
         k0, k1 = fmt.keys_to_halves(keys)
@@ -823,7 +837,7 @@ class Engine:
                     results[i] = bytes(block)
                 else:
                     targets[i][:nbytes] = block
-                    results[i] = nbytes
+                    results[i] = (0, nbytes) if placed else nbytes
         return pending
 
     def _touch_regions(self, addrs: list[int]) -> None:
@@ -859,15 +873,17 @@ class Engine:
             regions.append(self._sealing[0].region)
         return regions
 
-    def _read_sealed(self, keys, pending, results, targets=None) -> list[tuple[int, int, int, int]]:
+    def _read_sealed(self, keys, pending, results, targets=None, placed: bool = False,
+                     verify_payload: bool = True) -> list[tuple[int, int, int, int]]:
         """Read blocks from flash (as bytes, or into ``targets``); returns the ones that failed
         verification, re-located (they may have raced a reclaim)."""
         outcomes = self._reader.read_many([(keys[i], addr, length, seq) for i, addr, length, seq in pending],
-                                          None if targets is None else [targets[i] for i, _, _, _ in pending])
+                                          None if targets is None else [targets[i] for i, _, _, _ in pending],
+                                          placed, verify_payload)
         failed = []
         device_errors = 0
         for (i, _, _, _), outcome in zip(pending, outcomes):
-            if isinstance(outcome, (bytes, int)):
+            if isinstance(outcome, (bytes, int, tuple)):
                 results[i] = outcome
             elif outcome is ReadFailure.CORRUPT:
                 failed.append(i)
@@ -879,7 +895,7 @@ class Engine:
         if not failed:
             return []
         relocated = self._serve_or_locate([keys[i] for i in failed], sub := [None] * len(failed),
-                                          None if targets is None else [targets[i] for i in failed])
+                                          None if targets is None else [targets[i] for i in failed], placed)
         for j, block in enumerate(sub):
             if block is not None:
                 results[failed[j]] = block

@@ -30,19 +30,25 @@ class BlockReader:
         self._buffers = buffers or BufferPool()
 
     def read_many(self, requests: Sequence[tuple[bytes, int, int, int]],
-                  into: Sequence[memoryview | None] | None = None) -> list[bytes | int | ReadFailure]:
+                  into: Sequence[memoryview | None] | None = None, placed: bool = False,
+                  verify_payload: bool = True) -> list[bytes | int | tuple[int, int] | ReadFailure]:
         """``requests``: (key, logical offset, length, seq); ``into``: a destination per request
-        (or None: that block comes back as bytes). One block alone reads its stripe pieces in
-        parallel; a batch runs one pool task per block (read, verify, copy), so verification of
-        one block overlaps the I/O of the others."""
+        (or None: that block comes back as bytes); ``placed`` and ``verify_payload`` as in
+        :meth:`read_one`. One block alone reads its stripe pieces in parallel; a batch runs one
+        pool task per block (read, verify, copy), so verification of one block overlaps the I/O
+        of the others."""
         targets = [None] * len(requests) if into is None else into
         assert len(targets) == len(requests), (len(targets), len(requests))
         if len(requests) == 1:
-            return [self.read_one(*requests[0], inline=False, into=targets[0])]
-        return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst), requests, targets))
+            return [self.read_one(*requests[0], inline=False, into=targets[0], placed=placed,
+                                  verify_payload=verify_payload)]
+        return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst, placed=placed,
+                                                                  verify_payload=verify_payload),
+                                   requests, targets))
 
     def read_one(self, key: bytes, addr: int, length: int, seq: int, inline: bool = False,
-                 into: memoryview | None = None) -> bytes | int | ReadFailure:
+                 into: memoryview | None = None, placed: bool = False,
+                 verify_payload: bool = True) -> bytes | int | tuple[int, int] | ReadFailure:
         """The verified block as bytes -- or, with ``into``, placed there and its length returned.
 
         With ``into``, a block that starts on an aligned address is read straight into ``into``
@@ -50,10 +56,17 @@ class BlockReader:
         one device read and one CRC pass, no copy. Otherwise the read lands in a pooled aligned
         buffer, is verified there and copied once. Either way nothing is returned unverified; on a
         failure, and past ``length``, the contents of ``into`` are undefined.
-        ``inline`` reads in the calling thread (required on a pool thread: waiting on the pool
-        from inside it could deadlock)."""
+
+        ``placed``: the block may land anywhere in ``into`` and ``(offset, length)`` comes back --
+        any block, aligned or not, is read straight into an aligned ``into`` that holds its
+        aligned range (``align_up(addr + length) - align_down(addr)`` bytes), and sits at
+        ``addr - align_down(addr)``; else it is copied to offset 0.
+        ``verify_payload=False`` checks header, key and seq but leaves the payload CRC to whoever
+        the block is passed on to. ``inline`` reads in the calling thread (required on a pool
+        thread: waiting on the pool from inside it could deadlock)."""
         start, end = align_down(addr), align_up(addr + length)
-        direct = into is not None and start == addr and into.nbytes >= end - start and is_aligned(into)
+        fits = into is not None and into.nbytes >= end - start and is_aligned(into)
+        direct = fits and (placed or start == addr)
         buf = into if direct else self._buffers.take(end - start)
         try:
             if inline:
@@ -61,11 +74,13 @@ class BlockReader:
             else:
                 self._array.read(start, buf[:end - start])
             view = buf[addr - start:addr - start + length]
-            verify_block(view, key, seq)
+            verify_block(view, key, seq, payload=verify_payload)
             if into is None:
                 return bytes(view)
             if not direct:
                 into[:length] = view
+            if placed:
+                return (addr - start if direct else 0, length)
             return length
         except BlockFormatError:
             return ReadFailure.CORRUPT
