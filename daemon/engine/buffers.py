@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from .devices import aligned_buffer
 
 POOL_BYTES_MAX = 64 << 20  # idle buffers kept: about 32 in-flight 2 MiB blocks
 _SMALL_CLASS_BYTES = 64 << 10  # sizes below 1 MiB round up to a power of two from here
 _LARGE_STEP_BYTES = 1 << 20  # sizes above round up to a whole MiB
+
+
+def copy_bytes(dst: memoryview, src) -> None:
+    """``dst[:] = src`` for byte buffers of one size, without holding the GIL: a memoryview
+    slice assignment copies under it, ``numpy.copyto`` lets the daemon's other threads
+    (receiving, checking CRCs, sending) run during a multi-MiB copy."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 def size_class(nbytes: int) -> int:

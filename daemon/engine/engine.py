@@ -38,6 +38,7 @@ from kvtier.client.stripe import StripeGeometry
 
 from . import regionfmt as fmt
 from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
+from .buffers import copy_bytes
 from .devices import Device, aligned_buffer, align_down, align_up
 from .errors import BlockTooLargeError, DeviceError, EngineError, GeometryError, NoSpaceError
 from .index import PINNED_BIT, SEQ_DELTA_MAX, BlockIndex
@@ -836,7 +837,7 @@ class Engine:
                 if targets is None:
                     results[i] = bytes(block)
                 else:
-                    targets[i][:nbytes] = block
+                    copy_bytes(targets[i][:nbytes], block)
                     results[i] = (0, nbytes) if placed else nbytes
         return pending
 

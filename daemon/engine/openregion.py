@@ -16,6 +16,7 @@ import numpy as np
 from kvtier.client.blockformat import HEADER_SIZE, stamp_sequence
 
 from . import regionfmt as fmt
+from .buffers import copy_bytes
 from .devices import align_down, align_up
 
 
@@ -58,7 +59,7 @@ class OpenRegion:
         length = block.nbytes
         assert self.room_for(length), (offset, length, self.entry_count)
         target = self.buffer[offset:offset + length]
-        target[:] = block
+        copy_bytes(target, block)
         stamp_sequence(target[:HEADER_SIZE], seq)
         self.data_end += length
         self._entry(k0, k1, ns, seq, seq, offset, length, fmt.KIND_BLOCK, flags)

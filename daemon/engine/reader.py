@@ -12,7 +12,7 @@ from typing import Sequence
 
 from kvtier.client.blockformat import BlockFormatError, verify_block
 
-from .buffers import BufferPool
+from .buffers import BufferPool, copy_bytes
 from .devices import align_down, align_up, is_aligned
 from .errors import DeviceError
 from .raid0 import StripedArray
@@ -78,7 +78,7 @@ class BlockReader:
             if into is None:
                 return bytes(view)
             if not direct:
-                into[:length] = view
+                copy_bytes(into[:length], view)
             if placed:
                 return (addr - start if direct else 0, length)
             return length
