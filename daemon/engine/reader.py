@@ -2,7 +2,8 @@
 
 Every read covers the block's aligned range, lands in a pooled aligned
 buffer (or straight in the caller's, when aligned) and is checked (header CRC, payload CRC, key, seq) before a byte is
-handed out; the outcome of each read is a value, not an exception.
+handed out -- the payload CRC left out only for a caller that passes the block on to a reader who checks
+it; the outcome of each read is a value, not an exception.
 """
 from __future__ import annotations
 
