@@ -395,3 +395,51 @@ def test_only_durability_promises_fdatasync():
     engine.flush()
     assert all(a > b for a, b in zip([d.syncs for d in devs], after_durable))
     engine.close()
+
+
+# -- concurrency ---------------------------------------------------------------
+class GatedWrites(MemoryDevice):
+    """Writes wait for ``gate`` once ``armed``: a seal stuck on a slow device."""
+
+    def __init__(self, size_bytes: int, name: str):
+        super().__init__(size_bytes, name)
+        self.armed, self.gate, self.waiting = False, threading.Event(), threading.Event()
+
+    def _write(self, offset, buffers, total):
+        if self.armed:
+            self.waiting.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        super()._write(offset, buffers, total)
+
+
+def test_a_put_waiting_for_a_slow_seal_does_not_hold_up_reads_and_lookups():
+    """The spare image is free only once the seal in flight is written; a put that needs it
+    waits for that write without the engine lock, so readers of other blocks go on."""
+    cfg = EngineConfig(device_paths=("g0",), stripe_size_bytes=REGION // 2, region_size_bytes=REGION)
+    dev = GatedWrites(DATA_OFFSET_BYTES + 8 * REGION, "g0")
+    Engine.format(cfg, devices=[dev])
+    engine = Engine.open(cfg, devices=[dev])
+    try:
+        for i in range(5):  # region 0 fills (its header written)
+            engine.put(block(i, PAYLOAD_5_PER_REGION))
+        dev.armed = True
+        for i in range(5, 10):  # region 0 goes to the sealer, which gets stuck; region 1 fills
+            engine.put(block(i, PAYLOAD_5_PER_REGION))
+        assert dev.waiting.wait(5)
+        blocked = threading.Thread(target=engine.put, args=(block(10, PAYLOAD_5_PER_REGION),))
+        blocked.start()
+        blocked.join(0.3)
+        assert blocked.is_alive(), "the put needing a new region should wait for the seal"
+        answers = []
+        reader = threading.Thread(target=lambda: answers.extend([engine.lookup([key(i) for i in range(10)]),
+                                                                 engine.get(key(7))]))
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "a LOOKUP and a GET waited behind a put waiting for flash"
+        assert answers[0] == 10 and same_block(answers[1], block(7, PAYLOAD_5_PER_REGION))
+        dev.gate.set()
+        blocked.join(10)
+        assert not blocked.is_alive() and same_block(engine.get(key(10)), block(10, PAYLOAD_5_PER_REGION))
+    finally:
+        dev.gate.set()
+        engine.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -632,6 +633,7 @@ class Engine:
             return []
         k0s, k1s = fmt.keys_to_halves([h.key for h in headers])
         seqs: list[int] = [0] * len(views)
+        self._await_seal_for(sum(v.nbytes for v in views), len(views))
         with self._lock:
             self._check_open()
             slots = self._index.find_many(k0s, k1s).tolist()
@@ -672,6 +674,18 @@ class Engine:
             else:
                 self._reap_seal(wait=False)
         return seqs
+
+    def _await_seal_for(self, nbytes: int, entries: int) -> None:
+        """A batch that will not fit the open region needs the spare image, which is free only
+        once the seal in flight is written: wait for that write here, without the lock, so GETs,
+        LOOKUPs and puts that fit go on meanwhile (under the lock, the seal is then reaped at
+        once). Only waits; every decision is taken again under the lock."""
+        with self._lock:
+            if self._active and self._open.room_for(nbytes, entries):
+                return
+            sealing = self._sealing
+        if sealing is not None and sealing[2] is not None:
+            wait_futures([sealing[2]])
 
     def _insert_pending(self, pending: list[tuple]) -> None:
         if not pending:
