@@ -10,14 +10,21 @@ vectorized pass::
     [hits u8]  reads since written or moved, saturating: only with ``track_hits``
                (a reinsertion policy needs it), +1 byte a slot
 
-Keys are BLAKE2b digests, so their bits are already uniform: the home slot
-is ``k0 % capacity``. The table grows by GROWTH_FACTOR when live + deleted
+The home slot is a seeded multiplicative mix of both key halves, not
+``k0 % capacity``: kvtier's own keys are BLAKE2b digests, but the
+daemon stores whatever 16 bytes a client sends, and keys that count up in
+their first 8 bytes would pile into one run of slots -- a LOOKUP of absent
+keys then probed tens of thousands of slots per key (0.00 M keys/s measured).
+The seed is drawn per table, so colliding keys cannot be prepared ahead. The
+table grows by GROWTH_FACTOR when live + deleted
 slots would pass LOAD_FACTOR_MAX; a rehash drops the deleted markers. The seq of a
 block is ``region base seq + delta``: the region table holds the base, so the
 index does not spend 8 bytes a block on it. Namespace ids are not kept here
 (they live in the on-flash summaries).
 """
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
@@ -32,16 +39,42 @@ SLOT_BYTES = 32
 HITS_BYTES = 1  # the optional read-count column
 HITS_MAX = 255  # read counts saturate (one byte)
 BULK_RATIO = 16  # an insert of >= capacity/16 keys is a bulk load (recovery, rehash)
+_MASK64 = (1 << 64) - 1
+_M0, _M1, _M2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD  # odd multipliers
+_U32, _U0, _U1, _U2 = np.uint64(32), np.uint64(_M0), np.uint64(_M1), np.uint64(_M2)
+
+
+def _home(k0: int, k1: int, seed: int, capacity: int) -> int:
+    """The home slot of a key: both halves multiplied in, mixed once more, and the high 32
+    bits scaled onto the table (no division)."""
+    x = (((k0 ^ seed) * _M0) ^ (k1 * _M1)) & _MASK64
+    x = ((x ^ (x >> 32)) * _M2) & _MASK64
+    return ((x >> 32) * capacity) >> 32
+
+
+def _home_many(k0: np.ndarray, k1: np.ndarray, seed: int, capacity: int) -> np.ndarray:
+    """:func:`_home` of each key, in wrapping uint64 arithmetic, in place where it can."""
+    x = np.bitwise_xor(np.asarray(k0, np.uint64), np.uint64(seed))
+    x *= _U0
+    x ^= np.multiply(np.asarray(k1, np.uint64), _U1)
+    x ^= x >> _U32
+    x *= _U2
+    x >>= _U32
+    x *= np.uint64(capacity)
+    x >>= _U32
+    return x.view(np.int64)
 
 
 class BlockIndex:
     def __init__(self, capacity: int = CAPACITY_MIN, track_hits: bool = False):
         self.track_hits = track_hits
+        self._seed = secrets.randbits(64)
         self._allocate(max(capacity, CAPACITY_MIN))
         self._live = 0
         self._deleted = 0
 
     def _allocate(self, capacity: int) -> None:
+        assert capacity < 1 << 32, f"index of {capacity} slots: home slots are scaled from 32 bits"
         self.capacity = capacity
         self.k0 = np.zeros(capacity, np.uint64)
         self.k1 = np.zeros(capacity, np.uint64)
@@ -61,7 +94,7 @@ class BlockIndex:
     def find(self, k0: int, k1: int) -> int:
         """The slot holding the key, or -1."""
         capacity = self.capacity
-        pos = k0 % capacity
+        pos = _home(k0, k1, self._seed, capacity)
         length, keys0, keys1 = self.length, self.k0, self.k1
         while True:
             ln = int(length[pos])
@@ -76,7 +109,7 @@ class BlockIndex:
         n = len(k0)
         result = np.full(n, -1, np.int64)
         active = np.arange(n)
-        pos = (k0 % np.uint64(self.capacity)).astype(np.int64)
+        pos = self._home_many(k0, k1)
         while active.size:
             ln = self.length[pos]
             hit = ((ln != EMPTY) & (ln != DELETED) & (self.k0[pos] == k0[active])
@@ -109,7 +142,7 @@ class BlockIndex:
         assert EMPTY < length < DELETED, length
         self._reserve(1)
         capacity = self.capacity
-        pos = k0 % capacity
+        pos = _home(k0, k1, self._seed, capacity)
         while True:
             ln = int(self.length[pos])
             if ln == EMPTY or ln == DELETED:
@@ -138,7 +171,7 @@ class BlockIndex:
 
     def _place(self, k0, k1, addr, length, meta, hits) -> None:
         pending = np.arange(len(k0))
-        pos = (k0 % np.uint64(self.capacity)).astype(np.int64)
+        pos = self._home_many(k0, k1)
         # a bulk load marks claims in a table-sized scratch array (linear time); a small batch sorts
         claim = np.full(self.capacity, -1, np.int32) if len(k0) * BULK_RATIO >= self.capacity else None
         while pending.size:
@@ -161,6 +194,9 @@ class BlockIndex:
             keep[winners] = False
             pending = pending[keep]
             pos = self._next(pos[keep])
+
+    def _home_many(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+        return _home_many(k0, k1, self._seed, self.capacity)
 
     def _next(self, pos: np.ndarray) -> np.ndarray:
         pos += 1
