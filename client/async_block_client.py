@@ -14,7 +14,8 @@ import time
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
 from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientStatistics, _lost, _not_repeated,
-                                        geometry_from_info, limits_from_info, parse_address)
+                                        geometry_from_info, limits_from_info, parse_address,
+                                        reader_verifies_from_info)
 from kvtier.client.stripe import StripeGeometry
 
 READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
@@ -104,6 +105,7 @@ class AsyncBlockClient:
         self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
                         "bytes_sent": 0, "bytes_received": 0}
         self.limits = p.DEFAULT_LIMITS
+        self._reader_verifies = False  # the daemon leaves payload CRCs to us (HELLO features)
 
     async def __aenter__(self) -> "AsyncBlockClient":
         return self
@@ -132,6 +134,7 @@ class AsyncBlockClient:
             raise p.ConnectionLost(f"cannot connect to kvtierd at {self._host}:{self._port}: {exc}") from exc
         self._info = ch.info
         self.limits = limits_from_info(ch.info)
+        self._reader_verifies = reader_verifies_from_info(ch.info)
         return ch
 
     async def _run(self, make_op):
@@ -203,7 +206,8 @@ class AsyncBlockClient:
         """As BlockClient.get_many; ``copy`` is accepted for parity (asyncio
         streams copy once anyway, so the blocks are always bytes)."""
         keys = list(keys)
-        results, corrupt = await self._call(lambda: ops.op_get_many(keys, ns_id, self.limits))
+        results, corrupt = await self._call(lambda: ops.op_get_many(keys, ns_id, self.limits,
+                                                                    reader_verifies=self._reader_verifies))
         self._counts["corrupt_blocks"] += corrupt
         return results
 

@@ -81,6 +81,11 @@ def limits_from_info(info) -> p.Limits:
                     block_bytes_max=min(d.block_bytes_max, theirs.get("block_bytes_max", d.block_bytes_max)))
 
 
+def reader_verifies_from_info(info) -> bool:
+    """Whether the daemon lets a reader that checks payload CRCs itself skip its own check."""
+    return p.FEATURE_GET_READER_VERIFIES in info.get("features", ())
+
+
 class ReplyBuffers:
     """Receive buffers for ``copy=False`` replies, reused once no view of them is left.
 
@@ -244,6 +249,7 @@ class BlockClient:
         self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
                         "bytes_sent": 0, "bytes_received": 0}
         self.limits = p.DEFAULT_LIMITS
+        self._reader_verifies = False  # the daemon leaves payload CRCs to us (HELLO features)
 
     # -- plumbing -----------------------------------------------------------
     def __enter__(self) -> "BlockClient":
@@ -268,6 +274,7 @@ class BlockClient:
         with self._lock:
             self._info = ch.info
             self.limits = limits_from_info(ch.info)
+            self._reader_verifies = reader_verifies_from_info(ch.info)
         return ch
 
     def _pooled_or_new(self) -> tuple[_Channel, bool]:
@@ -360,7 +367,8 @@ class BlockClient:
         memoryviews into the reply buffer instead of bytes: one memory pass
         less per block (the buffer lives as long as any view of it)."""
         keys = list(keys)
-        results, corrupt = self._call(lambda: ops.op_get_many(keys, ns_id, self.limits, copy=copy),
+        results, corrupt = self._call(lambda: ops.op_get_many(keys, ns_id, self.limits, copy=copy,
+                                                              reader_verifies=self._reader_verifies),
                                       into=None if copy else ZERO_COPY)
         if corrupt:
             self._count(corrupt_blocks=corrupt)
@@ -374,8 +382,8 @@ class BlockClient:
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise ValueError("get_into needs a writable buffer")
-        for daemon_verifies in (False, True):
-            reply = self._call(lambda: ops.op_single(p.Get(0, (key,), None, daemon_verifies)), into=target)
+        for reader_verifies in (self._reader_verifies, False):
+            reply = self._call(lambda: ops.op_single(p.Get(0, (key,), None, reader_verifies)), into=target)
             block = reply.blocks[0]
             if block is None:
                 return None

@@ -31,7 +31,8 @@ import enum
 from kvtier.client import protocol_frames as f
 from kvtier.client.protocol_frames import PackedKeys  # noqa: F401  (re-exported)
 from kvtier.client.protocol_messages import (  # noqa: F401  (re-exported)
-    BATCH_COUNT_MAX, DEFAULT_LIMITS, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX, PAYLOAD_BYTES_MAX,
+    BATCH_COUNT_MAX, DEFAULT_LIMITS, FEATURE_GET_READER_VERIFIES, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX,
+    PAYLOAD_BYTES_MAX,
     PROTOCOL_VERSION, REPLY_BIT, REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply,
     ErrorCode, ErrorReply, Flush, FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, LocationRecords,
     Lookup, LookupReply, Op, Pin, PinReply, Ping, PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError,

@@ -40,8 +40,8 @@ assert FRAME_HEADER_SIZE == 32, FRAME_HEADER_SIZE
 FLAG_HAS_NS = 0x1  # the meta section starts with a 16-byte namespace id
 FLAG_DURABLE = 0x2  # PUT: acknowledge only once on flash and synced
 FLAG_WANT_LOCATIONS = 0x4  # LOOKUP: answer each key's location too
-FLAG_VERIFY = 0x8  # GET: the daemon checks payload CRCs too (a reader's second try after a mismatch)
-KNOWN_FLAGS = FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_VERIFY
+FLAG_READER_VERIFIES = 0x8  # GET: the reader checks payload CRCs itself, the daemon may leave them out
+KNOWN_FLAGS = FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_READER_VERIFIES
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -348,7 +348,7 @@ def _build_get_reply(head: FrameHead, lengths, payload: memoryview) -> m.GetRepl
 REQUEST_DECODERS: dict[int, RequestDecoder] = {
     Op.HELLO: (_meta_hello, lambda h, p, _: m.Hello(h.request_id, p[0], p[1])),
     Op.LOOKUP: (_meta_keys, lambda h, p, _: m.Lookup(h.request_id, p[1], bool(h.flags & FLAG_WANT_LOCATIONS), p[0])),
-    Op.GET: (_meta_keys, lambda h, p, _: m.Get(h.request_id, p[1], p[0], bool(h.flags & FLAG_VERIFY))),
+    Op.GET: (_meta_keys, lambda h, p, _: m.Get(h.request_id, p[1], p[0], bool(h.flags & FLAG_READER_VERIFIES))),
     Op.PUT: (_meta_put, _build_put),
     Op.DELETE: (_meta_keys, lambda h, p, _: m.Delete(h.request_id, p[1], p[0])),
     Op.PIN: (_meta_keys, lambda h, p, _: m.Pin(h.request_id, p[1], p[0])),
@@ -423,8 +423,8 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
         flags, meta = _keys_meta(msg.keys, msg.ns_id)
         if t is m.Lookup and msg.want_locations:
             flags |= FLAG_WANT_LOCATIONS
-        if t is m.Get and msg.verify:
-            flags |= FLAG_VERIFY
+        if t is m.Get and msg.reader_verifies:
+            flags |= FLAG_READER_VERIFIES
         op = {m.Lookup: Op.LOOKUP, m.Get: Op.GET, m.Delete: Op.DELETE, m.Pin: Op.PIN, m.Unpin: Op.UNPIN}[t]
         return op, flags, rid, len(msg.keys), meta, [], 0
     if t is m.Put:

@@ -16,6 +16,7 @@ KEY_SIZE = 16  # block keys and namespace ids (kvtier.client.keys.KEY_SIZE_BYTES
 # -- limits (each checked before anything is allocated) ---------------------
 BATCH_COUNT_MAX = 16384  # keys per frame: a 256k-token chain at 16 tokens per block
 META_BYTES_MAX = 1 << 20  # item tables (16384 x 24-byte locations) and JSON documents
+FEATURE_GET_READER_VERIFIES = "get_reader_verifies"  # HELLO features: GET honours FLAG_READER_VERIFIES
 PAYLOAD_BYTES_MAX = 256 << 20  # block bytes per frame: bounds one connection's buffer
 NAME_BYTES_MAX = 256  # client name in HELLO: a label, not a document
 TOKEN_BYTES_MAX = 4096  # auth token in HELLO: far above any sane secret
@@ -133,13 +134,14 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Get:
-    """``verify``: the daemon checks each block's payload CRC before sending it (and drops one
-    that fails); without it the payload CRC is the reader's to check."""
+    """``reader_verifies``: the reader checks payload CRCs itself, so the daemon may send blocks
+    with only header, key and seq checked (a daemon that says so in HELLO's ``features``);
+    without it the daemon checks payloads too and drops a block corrupt on flash."""
 
     request_id: int
     keys: tuple[bytes, ...]
     ns_id: bytes | None = None
-    verify: bool = False
+    reader_verifies: bool = False
 
 
 @dataclass(frozen=True)

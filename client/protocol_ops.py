@@ -46,22 +46,25 @@ def op_lookup(keys: Sequence[bytes], ns_id, want_locations: bool, limits: p.Limi
     return leading, (locations if want_locations else None)
 
 
-def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = True, copy: bool = True) -> Op:
+def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = True, copy: bool = True,
+                reader_verifies: bool = False) -> Op:
     """Verified blocks (bytes, or read-only memoryviews without ``copy``) or
     None per key, and how many came back corrupt; DEFERRED items are asked
-    again. The daemon leaves payload CRCs to the reader: a block that fails is
-    asked for once more with ``verify`` (the daemon then checks it and drops a
+    again. ``reader_verifies`` (the daemon offers it in HELLO): the daemon may
+    leave payload CRCs to us -- so only when we ``verify``. A block that fails
+    is asked for once more without it (the daemon then checks it and drops a
     copy corrupt on flash, so the key reads as a miss and a re-put can replace
     it); a block that fails again is a miss."""
     keys = [check_key(k) for k in keys]
     results: list = [None] * len(keys)
     pending = list(range(len(keys)))
     retry: list[int] = []
-    daemon_verifies = False
+    reader_verifies = reader_verifies and verify
+    retried = False
     corrupt = 0
     while pending:
         chunks = list(_chunks(pending, limits.batch_count_max))
-        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id, daemon_verifies) for c in chunks]
+        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id, reader_verifies) for c in chunks]
         pending = []
         for chunk, reply in zip(chunks, replies):
             for i, block in zip(chunk, reply.blocks):
@@ -76,8 +79,8 @@ def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = T
                         results[i] = block if type(block) is bytes else bytes(block)
                     else:
                         results[i] = block if type(block) is bytes else block.toreadonly()
-        if not pending and retry and not daemon_verifies:
-            pending, retry, daemon_verifies = retry, [], True
+        if not pending and retry and not retried:
+            pending, retry, reader_verifies, retried = retry, [], False, True
     return results, corrupt
 
 

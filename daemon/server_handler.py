@@ -105,7 +105,7 @@ class RequestHandler:
     def hello_info(self) -> dict:
         return {
             "server": "kvtierd", "protocol_version": p.PROTOCOL_VERSION,
-            "auth_required": self._token() is not None,
+            "auth_required": self._token() is not None, "features": [p.FEATURE_GET_READER_VERIFIES],
             "geometry": geometry_doc(self._engine.geometry),
             "region_size_bytes": self._region_size_bytes,
             "limits": {"batch_count_max": self._limits.batch_count_max, "meta_bytes_max": self._limits.meta_bytes_max,
@@ -154,9 +154,10 @@ class RequestHandler:
         range, one device read, sent from where it landed, no copy -- and the
         server gives the arena back once the reply is sent (:meth:`reply_sent`).
         With the pool spent, the blocks are copied instead. Header, key and
-        seq are checked here; the payload CRC is the reader's to check (once,
-        end to end) unless the request asks for it (``verify``: a reader's
-        second try after a mismatch, which drops a block corrupt on flash)."""
+        seq are always checked here; payload CRCs too unless the reader says
+        it checks them itself (``reader_verifies``: once, end to end). A
+        reader's second try after a mismatch leaves the flag out, so a block
+        corrupt on flash is found and dropped here."""
         keys = msg.keys
         if not keys:
             return p.GetReply(msg.request_id, ()), False
@@ -173,7 +174,7 @@ class RequestHandler:
         targets = [arena[start:start + span] for start, span in zip(starts, spans.tolist())]
         try:
             placed = self._engine.get_many_placed([keys[i] for i in hit.tolist()], targets,
-                                                  verify_payload=msg.verify)
+                                                  verify_payload=not msg.reader_verifies)
         except self._engine_error:  # a block grew since it was located (deleted and put again)
             return self._get_copying(msg)
         blocks: list = [None] * send + [p.DEFERRED] * (len(keys) - send)

@@ -121,8 +121,9 @@ def flip_byte_on_flash(daemon, client, key: bytes, at: int) -> None:
 
 def test_a_block_corrupt_on_flash_is_a_miss_and_a_re_put_replaces_it(kvtierd):
     """The daemon sends blocks with their header, key and seq checked and leaves the payload
-    CRC to the client; a block that fails is asked for again with VERIFY, the daemon finds the
-    corruption, drops the block and answers a miss -- so a re-put stores a good copy."""
+    CRC to the client (READER_VERIFIES); a block that fails is asked for again without the
+    flag, the daemon finds the corruption, drops the block and answers a miss -- so a re-put
+    stores a good copy."""
     keys = keys_of(3, 40)
     blocks = [make_block(k, 100_000 + 999 * i) for i, k in enumerate(keys)]
     with BlockClient(kvtierd.data_addr) as c:
@@ -142,17 +143,44 @@ def test_a_block_corrupt_on_flash_is_a_miss_and_a_re_put_replaces_it(kvtierd):
         assert c.statistics().corrupt_blocks == 3
 
 
-def test_get_verify_flag_makes_the_daemon_check_payloads(kvtierd):
-    keys = keys_of(2, 41)
+def test_the_daemon_checks_payloads_unless_the_reader_says_it_does(kvtierd):
+    """A reader that does not say it checks payload CRCs (a client from before the flag) gets
+    them checked by the daemon -- which drops a block corrupt on flash; one that says so gets
+    the block as stored. The daemon offers the flag in HELLO."""
+    keys = keys_of(3, 41)
     blocks = [make_block(k, 50_000) for k in keys]
     with BlockClient(kvtierd.data_addr) as c:
+        assert p.FEATURE_GET_READER_VERIFIES in c.server_info()["features"]
         c.put_many(list(zip(keys, blocks)))
         c.flush()
         flip_byte_on_flash(kvtierd, c, keys[0], HEADER_SIZE + 100)
+        flip_byte_on_flash(kvtierd, c, keys[2], HEADER_SIZE + 100)
+        trusting = c._call(lambda: ops.op_single(p.Get(0, tuple(keys), None, reader_verifies=True)))
+        assert trusting.blocks[0] is not None and len(trusting.blocks[0]) == len(blocks[0])  # as stored
+        assert c.stats()["engine"]["corrupt_reads"] == 0 and c.lookup(keys[:1]) == 1
         plain = c._call(lambda: ops.op_single(p.Get(0, tuple(keys))))
-        assert plain.blocks[0] is not None and len(plain.blocks[0]) == len(blocks[0])  # sent; the reader checks
-        checked = c._call(lambda: ops.op_single(p.Get(0, tuple(keys), None, True)))
-        assert checked.blocks[0] is None and bytes(checked.blocks[1])[HEADER_SIZE:] == blocks[1][HEADER_SIZE:]
+        assert plain.blocks[0] is None and plain.blocks[2] is None
+        assert bytes(plain.blocks[1])[HEADER_SIZE:] == blocks[1][HEADER_SIZE:]
+        assert c.stats()["engine"]["corrupt_reads"] == 2 and c.lookup(keys[:1]) == 0
+
+
+def test_async_client_asks_again_without_the_flag_after_a_mismatch(kvtierd):
+    keys = keys_of(2, 42)
+    blocks = [make_block(k, 70_000) for k in keys]
+
+    async def scenario():
+        async with AsyncBlockClient(kvtierd.data_addr) as c:
+            await c.put_many(list(zip(keys, blocks)))
+            await c.flush()
+            with BlockClient(kvtierd.data_addr) as sync:
+                flip_byte_on_flash(kvtierd, sync, keys[1], HEADER_SIZE + 3)
+            got = await c.get_many(keys)
+            assert got[0][HEADER_SIZE:] == blocks[0][HEADER_SIZE:] and got[1] is None
+            assert c.statistics().corrupt_blocks == 1 and await c.lookup(keys[1:]) == 0
+            buf = bytearray(len(blocks[0]))
+            assert await c.get_into(keys[0], buf) == len(blocks[0])
+
+    asyncio.run(scenario())
 
 
 def test_big_gets_are_split_and_deferred_items_fetched(kvtierd):

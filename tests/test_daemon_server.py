@@ -2,6 +2,7 @@
 settings the command line does not expose (a small reply payload limit)."""
 import os
 
+import numpy as np
 import pytest
 
 from kvtier.client import BlockClient
@@ -107,6 +108,10 @@ def test_get_reply_blocks_land_in_the_connections_buffer(engine):
         assert [bytes(b)[HEADER_SIZE:] for b in reply.blocks[:4]] == [b[HEADER_SIZE:] for b in blocks]
         assert reply.blocks[4] is None
         assert all(b.obj is session.get_arena.obj for b in reply.blocks[:4])
+        # the sealed blocks were read in place: each at its own offset within a page, not copied to one
+        locs = engine.locate_many(keys[:2])
+        assert [np.frombuffer(b, np.uint8).ctypes.data % 4096 for b in reply.blocks[:2]] == \
+            [loc.logical_offset % 4096 for loc in locs] and any(loc.logical_offset % 4096 for loc in locs)
     assert session.get_arena.nbytes == GET_ARENA_BYTES_MAX
 
 

@@ -20,7 +20,7 @@ REQUESTS = [
     p.Lookup(3, (K1, K2), want_locations=True, ns_id=NS),
     p.Get(4, (K1, K2), ns_id=NS),
     p.Get(5, ()),
-    p.Get(6, (K2,), verify=True),
+    p.Get(6, (K2,), reader_verifies=True),
     p.Put(6, (K1, K2), (BLOCK1, BLOCK2), durable=True, ns_id=NS),
     p.Put(7, (K3,), (BLOCK1,)),
     p.Delete(8, (K1,)),
