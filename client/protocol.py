@@ -145,6 +145,17 @@ class Connection:
         self._payload = view[:self._head.payload_len]
         self._drain_into_payload()
 
+    def reject_payload(self, code: ErrorCode, message: str) -> Rejected:
+        """Refuse the pending frame before a buffer for its payload is chosen: the payload is
+        skipped as it arrives, and the returned event is answered like any Rejected one."""
+        if self._state is not _State.PAYLOAD or self._payload is not None:
+            raise RuntimeError("reject_payload needs a pending payload whose buffer is not yet chosen")
+        head = self._head
+        self._head = self._parsed = None
+        self._discard_left = head.payload_len
+        self._state = _State.DISCARD
+        return Rejected(head.request_id, code, message)
+
     def payload_view(self) -> memoryview | None:
         """The unfilled part of the pending payload for ``recv_into``, or None."""
         if self._state is not _State.PAYLOAD:

@@ -75,7 +75,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 7  # a block larger than a region
     NO_SPACE = 8  # every region pinned
     AUTH = 9  # missing or wrong token
-    BUSY = 10  # over the connection limit
+    BUSY = 10  # over the connection limit, or the daemon's transient request buffers are spent
     TIMEOUT = 11  # the peer stalled mid-frame
     SHUTTING_DOWN = 12
     INTERNAL = 13

@@ -71,7 +71,9 @@ class AdminStateView:
     def server_statistics(self) -> dict:
         """The data server's snapshot; empty before the data server exists."""
         server = self._state.data_server
-        return {} if server is None else _as_dict(server.statistics())
+        if server is None:
+            return {}
+        return dict(_as_dict(server.statistics()), buffers=_as_dict(server.reply_arena_statistics()))
 
     def devices(self) -> dict:
         """The stripe set: each device's id (from its superblock) and local path, in

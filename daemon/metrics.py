@@ -128,6 +128,7 @@ def _server_families(server: dict) -> Iterable[Metric]:
                               value=server.get("bytes_in", 0))
     yield CounterMetricFamily("kvtier_network_sent_bytes", "Bytes sent on the data port.",
                               value=server.get("bytes_out", 0))
+    yield from _buffer_families(server.get("buffers") or {})
     requests = CounterMetricFamily("kvtier_requests", "Data-port requests served, per op.", labels=["op"])
     for op, count in sorted((server.get("requests") or {}).items()):
         requests.add_metric([op], count)
@@ -146,6 +147,24 @@ def _server_families(server: dict) -> Iterable[Metric]:
         buckets = [(_le(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
         latency.add_metric([op], buckets, sum_value=hist["sum_s"])
     yield latency
+
+
+def _buffer_families(buffers: dict) -> Iterable[Metric]:
+    """The data server's request buffers: arenas lent per request, and transient buffers."""
+    if not buffers:
+        return
+    yield GaugeMetricFamily("kvtier_request_arenas", "Request arenas allocated (kept for reuse).",
+                            value=buffers["created"])
+    yield GaugeMetricFamily("kvtier_request_arenas_lent", "Request arenas lent to a request right now.",
+                            value=buffers["lent"])
+    yield CounterMetricFamily("kvtier_request_arenas_refused", "Requests that found every arena lent out.",
+                              value=buffers["refused"])
+    yield GaugeMetricFamily("kvtier_transient_buffer_bytes", "Request buffers outside the arenas right now.",
+                            value=buffers["transient_bytes"])
+    yield GaugeMetricFamily("kvtier_transient_buffer_budget_bytes", "Budget for request buffers outside the arenas.",
+                            value=buffers["transient_budget_bytes"])
+    yield CounterMetricFamily("kvtier_transient_buffer_refused", "Requests refused BUSY: the transient budget was spent.",
+                              value=buffers["transient_refused"])
 
 
 def _le(bound_s: float) -> str:

@@ -196,11 +196,18 @@ class DataServer:
                 if not conn.in_frame and not self._wait_for_request(sock, wait_s):
                     return
                 head = conn.pending_head
+                refused = None
                 if head is not None and head is not placed:
-                    placed = head  # an arena if it fits and one is free; else the Connection allocates one
+                    placed = head  # an arena if it fits and one is free; else a transient buffer, budget permitting
                     buffer = handler.payload_buffer(session, head.payload_len)
                     if buffer is not None:
                         conn.set_payload_buffer(buffer)
+                    elif (why := handler.admit_payload(session, head.payload_len)) is not None:
+                        refused = conn.reject_payload(p.ErrorCode.BUSY, why)
+                if refused is not None:
+                    sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
+                    recorder.request_done("rejected", 0.0, 0, sent)
+                    continue
                 view = conn.payload_view()
                 if view is not None:
                     n = sock.recv_into(view)

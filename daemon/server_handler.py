@@ -35,6 +35,11 @@ class Session:
     client_name: str = ""
     get_arena: memoryview | None = None  # borrowed from ReplyArenas for one request (its PUT payload or its
     # GET reply's blocks); given back once the reply is sent
+    transient_bytes: int = 0  # this request's buffers outside the arenas (within the daemon-wide budget)
+
+
+class TransientBudgetSpent(Exception):
+    """The daemon-wide budget for request buffers outside the arenas is spent: answered BUSY."""
 
 
 def packed_keys(keys) -> bytes:
@@ -87,6 +92,9 @@ class RequestHandler:
             return p.ErrorReply(msg.request_id, p.ErrorCode.AUTH, "authenticate with HELLO and the token first"), True
         try:
             return self._dispatch[type(msg)](msg, session, token)
+        except TransientBudgetSpent as exc:
+            self._stats.error(p.ErrorCode.BUSY.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.BUSY, str(exc)), False
         except self._no_space as exc:
             self._stats.error(p.ErrorCode.NO_SPACE.name)
             return p.ErrorReply(msg.request_id, p.ErrorCode.NO_SPACE, f"no space: {exc}"), False
@@ -167,16 +175,19 @@ class RequestHandler:
         hit = np.nonzero(lengths[:send])[0]
         first = rows["logical_offset"][hit].astype(np.int64)
         spans = (-(-(first + lengths[hit]) // ALIGNMENT_BYTES) - first // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        fit = max(1, int(np.searchsorted(np.cumsum(spans), self.arenas.arena_bytes, side="right")))
+        if fit < len(hit):  # a reply fills one arena at most: the rest wait (DEFERRED) for the next request
+            send, hit, spans = int(hit[fit]), hit[:fit], spans[:fit]
         starts = (np.cumsum(spans) - spans).tolist()
         arena = self._reply_buffer(session, max(int(spans.sum()), ALIGNMENT_BYTES))
         if arena is None:  # every arena the daemon-wide budget allows is lent out
-            return self._get_copying(msg)
+            return self._get_copying(msg, session, int(lengths[:send].sum()))
         targets = [arena[start:start + span] for start, span in zip(starts, spans.tolist())]
         try:
             placed = self._engine.get_many_placed([keys[i] for i in hit.tolist()], targets,
                                                   verify_payload=not msg.reader_verifies)
         except self._engine_error:  # a block grew since it was located (deleted and put again)
-            return self._get_copying(msg)
+            return self._get_copying(msg, session, int(lengths[:send].sum()))
         blocks: list = [None] * send + [p.DEFERRED] * (len(keys) - send)
         for i, target, where in zip(hit.tolist(), targets, placed):
             if where is not None:
@@ -188,18 +199,37 @@ class RequestHandler:
 
     def _reply_buffer(self, session: Session, nbytes: int) -> memoryview | None:
         """A page-aligned buffer of at least ``nbytes`` for one GET reply: the
-        session's borrowed arena, a buffer of its own for a reply larger than
-        an arena, or None when the arena budget is spent."""
+        session's borrowed arena, a transient one for a block larger than an
+        arena, or None when the arena budget is spent."""
         if nbytes > self.arenas.arena_bytes:
+            self._reserve_transient(session, nbytes)
             return aligned_buffer(nbytes, huge=True)
         if session.get_arena is None:
             session.get_arena = self.arenas.acquire()
         return session.get_arena
 
+    def _reserve_transient(self, session: Session, nbytes: int) -> None:
+        if not self.arenas.reserve_transient(nbytes):
+            stats = self.arenas.statistics()
+            raise TransientBudgetSpent(
+                f"the daemon's request buffers are spent ({stats.transient_bytes} of "
+                f"{stats.transient_budget_bytes} bytes in use by other requests, {nbytes} more asked): retry")
+        session.transient_bytes += nbytes
+
+    def admit_payload(self, session: Session, nbytes: int) -> str | None:
+        """For a payload that gets no arena (:meth:`payload_buffer` said None): None if a
+        transient buffer of ``nbytes`` fits the daemon-wide budget (the connection then
+        allocates it), else why not -- the frame is refused with BUSY, its payload skipped."""
+        try:
+            self._reserve_transient(session, nbytes)
+        except TransientBudgetSpent as exc:
+            return str(exc)
+        return None
+
     def payload_buffer(self, session: Session, nbytes: int) -> memoryview | None:
         """The session's arena to receive a request payload of ``nbytes`` into
         (the engine copies PUT blocks out before the reply is sent), or None:
-        larger than an arena, or the pool is spent (the caller allocates)."""
+        larger than an arena, or the pool is spent (see :meth:`admit_payload`)."""
         if nbytes > self.arenas.arena_bytes:
             return None
         if session.get_arena is None:
@@ -212,12 +242,18 @@ class RequestHandler:
         if session.get_arena is not None:
             arena, session.get_arena = session.get_arena, None
             self.arenas.release(arena)
+        if session.transient_bytes:
+            nbytes, session.transient_bytes = session.transient_bytes, 0
+            self.arenas.release_transient(nbytes)
 
-    def _get_copying(self, msg: p.Get):
+    def _get_copying(self, msg: p.Get, session: Session, located_bytes: int):
         """:meth:`_get` with blocks the engine returns as bytes, read in chunks
-        while they fit one reply (the sizes are learned as they come)."""
+        while they fit one arena (the sizes are learned as they come; the first
+        block goes whatever its size). Transient memory is reserved for what was
+        located, up to an arena."""
         keys = list(msg.keys)
-        budget = self._limits.payload_bytes_max
+        budget = min(self._limits.payload_bytes_max, self.arenas.arena_bytes)
+        self._reserve_transient(session, max(1, min(located_bytes, budget)))
         if len(keys) * self._limits.block_bytes_max <= budget:
             blocks: list = self._engine.get_many(keys)
         else:
@@ -276,7 +312,7 @@ class RequestHandler:
     def _stats_reply(self, msg: p.Stats, session, token):
         engine_stats = self._engine.statistics()
         doc = {"server": self._server_statistics(), "engine": asdict(engine_stats),
-               "geometry": geometry_doc(self._engine.geometry)}
+               "buffers": asdict(self.arenas.statistics()), "geometry": geometry_doc(self._engine.geometry)}
         return p.StatsReply(msg.request_id, doc), False
 
     def _ping(self, msg: p.Ping, session, token):

@@ -120,9 +120,13 @@ def make_blocks(n: int):
     return keys, blocks
 
 
-def bench_kvtierd(work: Path, keys, blocks, device_size: str, region_size: str) -> dict:
+def bench_kvtierd(work: Path, keys, blocks, device_size: str, region_size: str,
+                  devices: list[str] | None = None) -> dict:
+    """``devices``: block devices to run on (formatted here), else device files in ``work``."""
+    device_args = [a for dev in devices for a in ("--device", dev)] + ["--format", "--force"] if devices else []
     d = start_kvtierd(work / "kvtierd", "--device-size", device_size, "--region-size", region_size,
-                      "--stripe-size", "1m")
+                      "--stripe-size", "1m", *device_args)
+    d.args = [a for a in d.args if a not in ("--format", "--force")]  # a restart keeps the store
     total = sum(len(b) for b in blocks)
     shares = [list(range(i, len(keys), CONNECTIONS)) for i in range(CONNECTIONS)]
     try:
@@ -263,6 +267,31 @@ def bench_fio(devices: list[Path], size: str) -> dict:
     return out
 
 
+class RamDevices:
+    """Loop devices over files in /dev/shm: block devices whose medium is DRAM, as redis's is.
+    With them the comparison with redis is of the software alone; with the VM's virtual disk,
+    reads and writes are bound by that disk (fio in the same run says by how much). Needs root."""
+
+    def __init__(self, count: int, size: str):
+        self.dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+        self.paths: list[str] = []
+        try:
+            for i in range(count):
+                backing = self.dir / f"dev{i}"
+                subprocess.run(["truncate", "-s", size, str(backing)], check=True)
+                out = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                                     capture_output=True, text=True)
+                self.paths.append(out.stdout.strip())
+        except (OSError, subprocess.CalledProcessError) as exc:
+            self.close()
+            raise SystemExit(f"--ram-devices needs root and losetup: {exc}") from exc
+
+    def close(self) -> None:
+        for path in self.paths:
+            subprocess.run(["losetup", "-d", path], check=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def bench_iperf3(seconds: int) -> dict:
     """iperf3 over loopback with as many streams as kvtierd had connections."""
     port = free_port()
@@ -330,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="128 MiB instead of 1 GiB (a smoke run)")
     ap.add_argument("--work-dir", help="where device files go (default: a temp dir under perf/out)")
     ap.add_argument("--transport-compare", action="store_true", help="also run the threads vs uvloop check")
+    ap.add_argument("--ram-devices", action="store_true",
+                    help="run kvtierd and fio on 4 loop devices over /dev/shm (root): DRAM, as redis, not the disk")
     ap.add_argument("--echo-server", choices=("threads", "uvloop"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "tcp.json"))
     args = ap.parse_args(argv)
@@ -345,17 +376,21 @@ def main(argv=None) -> int:
     result = {"config": {"block_payload_bytes": BLOCK_PAYLOAD_BYTES, "connections": CONNECTIONS,
                          "batch_blocks": BATCH_BLOCKS, "total_bytes": total_bytes, "devices": 4,
                          "device_size": device_size, "region_size": region_size, "quick": args.quick,
+                         "medium": "ram (loop over /dev/shm)" if args.ram_devices else "device files",
                          "cpus": os.cpu_count()}}
+    ram = RamDevices(4, device_size) if args.ram_devices else None
     try:
-        result["kvtierd"] = bench_kvtierd(work, keys, blocks, device_size, region_size)
+        result["kvtierd"] = bench_kvtierd(work, keys, blocks, device_size, region_size, ram and ram.paths)
         result["engine_alone"] = bench_engine_alone(work, keys, blocks, device_size, region_size)
-        devices = sorted((work / "kvtierd").glob("device*.img"))
+        devices = ram.paths if ram else sorted((work / "kvtierd").glob("device*.img"))
         result["fio"] = bench_fio(devices, "64m" if args.quick else "256m")
         result["iperf3"] = bench_iperf3(2 if args.quick else 5)
         result["redis"] = bench_redis(keys, blocks)
         if args.transport_compare:
             result["transport_compare"] = transport_compare(quick=args.quick)
     finally:
+        if ram:
+            ram.close()
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     result["ratios"] = ratios(result)

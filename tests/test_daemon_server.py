@@ -186,3 +186,32 @@ def test_idle_connections_hold_no_arena_and_busy_ones_stay_in_budget(engine):
         for c in clients:
             c.close()
         server.stop()
+
+
+def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
+    """No arenas at all and 2.5 MiB for buffers outside them: a 3 MiB PUT frame is refused
+    with BUSY before its payload is received (the connection serves on), smaller ones and
+    GETs through the copying path fit, and every byte reserved is given back."""
+    from kvtier.client import RemoteError
+    from kvtier.client import protocol as p
+    from kvtier.daemon.server_arenas import ReplyArenas
+
+    arenas = ReplyArenas(budget_bytes=0, transient_budget_bytes=5 << 19)
+    server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20, reply_arenas=arenas)
+    host, port = server.start()
+    keys = [bytes([9]) + i.to_bytes(15, "little") for i in range(3)]
+    blocks = [encode_block(k, NS, 0, os.urandom(1 << 20)) for k in keys]
+    try:
+        with BlockClient(f"{host}:{port}", pool_size=1) as c:
+            c.put(keys[0], blocks[0])
+            c.put(keys[1], blocks[1])
+            with pytest.raises(RemoteError) as busy:
+                c.put_many(list(zip(keys, blocks)))  # one frame of 3 MiB
+            assert busy.value.code == p.ErrorCode.BUSY and "retry" in str(busy.value)
+            assert c.ping() > 0 and c.lookup(keys) == 2  # same connection, nothing of the refused frame stored
+            got = c.get_many(keys[:2])  # copying path: 2 MiB reserved, then given back
+            assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in blocks[:2]]
+        stats = arenas.statistics()
+        assert (stats.created, stats.transient_bytes, stats.transient_refused) == (0, 0, 1), stats
+    finally:
+        server.stop()

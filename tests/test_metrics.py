@@ -126,6 +126,16 @@ def test_connections_and_network_bytes(workload):
         3 * workload["block_bytes"]
 
 
+def test_request_buffers(workload):
+    """The workload's PUTs and GETs borrowed arenas and gave them back; nothing was refused."""
+    after = workload["after"]
+    assert value(after, "kvtier_request_arenas") >= 1 and value(after, "kvtier_request_arenas_lent") == 0
+    assert value(after, "kvtier_request_arenas_refused", "kvtier_request_arenas_refused_total") == 0
+    assert value(after, "kvtier_transient_buffer_bytes") == 0
+    assert value(after, "kvtier_transient_buffer_budget_bytes") == 1 << 30
+    assert value(after, "kvtier_transient_buffer_refused", "kvtier_transient_buffer_refused_total") == 0
+
+
 def test_metrics_agree_with_the_stats_endpoint(workload, http):
     stats = http.get("/v1/stats").json()
     families = scrape(http)

@@ -173,6 +173,26 @@ def test_lengths_over_their_limits_are_refused_before_allocating():
         assert info.value.code == p.ErrorCode.LIMIT and info.value.fatal
 
 
+@pytest.mark.parametrize("step", [None, 1, 1000])
+def test_a_payload_refused_before_it_arrives_is_skipped(step):
+    """The server refuses a PUT once its header and meta are in (no buffer for the payload):
+    the payload is skipped as it arrives, however it is split, and the next frame parses."""
+    client = p.Connection(p.Role.CLIENT)
+    put, good = client.send(p.Put(4, (K1, K2), (BLOCK1, BLOCK2))), client.send(p.Ping(5, b"next"))
+    wire = put + good
+    server = p.Connection(p.Role.SERVER)
+    head_and_meta = len(put) - len(BLOCK1) - len(BLOCK2)
+    step = step or len(wire)
+    events = feed(server, wire[:head_and_meta], step)
+    assert not events and server.pending_head.request_id == 4
+    rejected = server.reject_payload(p.ErrorCode.BUSY, "no room")
+    assert (rejected.request_id, rejected.code, rejected.message) == (4, p.ErrorCode.BUSY, "no room")
+    with pytest.raises(RuntimeError, match="pending payload"):
+        server.reject_payload(p.ErrorCode.BUSY, "twice")
+    events = feed(server, wire[head_and_meta:], step)
+    assert events == [p.Ping(5, b"next")] and not server.in_frame
+
+
 def test_rejected_requests_keep_the_framing():
     """Unknown op, count over the limit, wrong key size, a block over the
     region limit: each becomes a Rejected event; the next frame still parses."""
