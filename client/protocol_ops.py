@@ -92,14 +92,20 @@ def verify_ok(block, key: bytes) -> bool:
         return False
 
 
+PUT_FRAME_BYTES_TARGET = 16 << 20  # the daemon receives a PUT payload up to this into a pooled arena; a larger
+# one takes a transient buffer from a smaller budget (BUSY when spent). Frames are pipelined: nothing lost.
+
+
 def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, limits: p.Limits) -> Op:
-    """Stored sequence numbers, one per item; frames split by count and bytes."""
+    """Stored sequence numbers, one per item; frames split by count and bytes (at
+    PUT_FRAME_BYTES_TARGET, a larger block alone in its frame)."""
     frames, keys, blocks, size = [], [], [], 0
+    frame_bytes = min(limits.payload_bytes_max, PUT_FRAME_BYTES_TARGET)
     for key, block in items:
         view = memoryview(block).cast("B")
         if view.nbytes > limits.payload_bytes_max:
             raise ValueError(f"a block of {view.nbytes} bytes is over the frame payload limit {limits.payload_bytes_max}")
-        if keys and (len(keys) == limits.batch_count_max or size + view.nbytes > limits.payload_bytes_max):
+        if keys and (len(keys) == limits.batch_count_max or size + view.nbytes > frame_bytes):
             frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id))
             keys, blocks, size = [], [], 0
         keys.append(check_key(key))

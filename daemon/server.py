@@ -203,7 +203,7 @@ class DataServer:
                     if buffer is not None:
                         conn.set_payload_buffer(buffer)
                     elif (why := handler.admit_payload(session, head.payload_len)) is not None:
-                        refused = conn.reject_payload(p.ErrorCode.BUSY, why)
+                        refused = conn.reject_payload(*why)
                 if refused is not None:
                     sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
                     recorder.request_done("rejected", 0.0, 0, sent)

@@ -22,8 +22,6 @@ from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas  # noqa
 
 log = logging.getLogger("kvtier.daemon.server")
 
-GET_FIRST_CHUNK_KEYS = 64  # a GET that might overflow one reply is read this many blocks at a time first
-
 
 @dataclass
 class Session:
@@ -64,7 +62,7 @@ class RequestHandler:
         self._server_statistics = server_statistics
         self.arenas = arenas if arenas is not None else ReplyArenas()
         from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, NoSpaceError
-        self._engine_error, self._no_space = EngineError, NoSpaceError
+        self._engine_error, self._no_space, self._too_large = EngineError, NoSpaceError, BlockTooLargeError
         # engine exceptions other than NoSpace, each with the code the client gets
         self._engine_codes = ((BlockTooLargeError, p.ErrorCode.TOO_LARGE), (DeviceError, p.ErrorCode.DEVICE_ERROR),
                               (EngineError, p.ErrorCode.BAD_REQUEST))
@@ -181,13 +179,14 @@ class RequestHandler:
         starts = (np.cumsum(spans) - spans).tolist()
         arena = self._reply_buffer(session, max(int(spans.sum()), ALIGNMENT_BYTES))
         if arena is None:  # every arena the daemon-wide budget allows is lent out
-            return self._get_copying(msg, session, int(lengths[:send].sum()))
+            return self._get_copying(msg, session, int(lengths[:send].sum()), send)
         targets = [arena[start:start + span] for start, span in zip(starts, spans.tolist())]
         try:
             placed = self._engine.get_many_placed([keys[i] for i in hit.tolist()], targets,
                                                   verify_payload=not msg.reader_verifies)
         except self._engine_error:  # a block grew since it was located (deleted and put again)
-            return self._get_copying(msg, session, int(lengths[:send].sum()))
+            self._release_transient(session)  # a buffer of its own, if it had one: the copying path reserves anew
+            return self._get_copying(msg, session, int(lengths[:send].sum()), send)
         blocks: list = [None] * send + [p.DEFERRED] * (len(keys) - send)
         for i, target, where in zip(hit.tolist(), targets, placed):
             if where is not None:
@@ -209,6 +208,9 @@ class RequestHandler:
         return session.get_arena
 
     def _reserve_transient(self, session: Session, nbytes: int) -> None:
+        if nbytes > self.arenas.transient_budget_bytes:
+            raise self._too_large(f"a request buffer of {nbytes} bytes is larger than the daemon's whole budget "
+                                  f"for them ({self.arenas.transient_budget_bytes} bytes)")
         if not self.arenas.reserve_transient(nbytes):
             stats = self.arenas.statistics()
             raise TransientBudgetSpent(
@@ -216,14 +218,17 @@ class RequestHandler:
                 f"{stats.transient_budget_bytes} bytes in use by other requests, {nbytes} more asked): retry")
         session.transient_bytes += nbytes
 
-    def admit_payload(self, session: Session, nbytes: int) -> str | None:
+    def admit_payload(self, session: Session, nbytes: int) -> tuple[p.ErrorCode, str] | None:
         """For a payload that gets no arena (:meth:`payload_buffer` said None): None if a
         transient buffer of ``nbytes`` fits the daemon-wide budget (the connection then
-        allocates it), else why not -- the frame is refused with BUSY, its payload skipped."""
+        allocates it), else the error to refuse the frame with (its payload is skipped):
+        BUSY while the budget is spent, TOO_LARGE for more than the whole budget."""
         try:
             self._reserve_transient(session, nbytes)
         except TransientBudgetSpent as exc:
-            return str(exc)
+            return p.ErrorCode.BUSY, str(exc)
+        except self._too_large as exc:
+            return p.ErrorCode.TOO_LARGE, str(exc)
         return None
 
     def payload_buffer(self, session: Session, nbytes: int) -> memoryview | None:
@@ -242,15 +247,18 @@ class RequestHandler:
         if session.get_arena is not None:
             arena, session.get_arena = session.get_arena, None
             self.arenas.release(arena)
+        self._release_transient(session)
+
+    def _release_transient(self, session: Session) -> None:
         if session.transient_bytes:
             nbytes, session.transient_bytes = session.transient_bytes, 0
             self.arenas.release_transient(nbytes)
 
-    def _get_copying(self, msg: p.Get, session: Session, located_bytes: int):
+    def _get_copying(self, msg: p.Get, session: Session, located_bytes: int, located_keys: int):
         """:meth:`_get` with blocks the engine returns as bytes, read in chunks
-        while they fit one arena (the sizes are learned as they come; the first
-        block goes whatever its size). Transient memory is reserved for what was
-        located, up to an arena."""
+        while they fit one arena (the sizes are learned as they come, starting
+        with the ``located_keys`` whose located sizes fit; the first block goes
+        whatever its size). Transient memory is reserved for what was located."""
         keys = list(msg.keys)
         budget = min(self._limits.payload_bytes_max, self.arenas.arena_bytes)
         self._reserve_transient(session, max(1, min(located_bytes, budget)))
@@ -258,7 +266,7 @@ class RequestHandler:
             blocks: list = self._engine.get_many(keys)
         else:
             blocks, total, present = [], 0, 0
-            chunk = min(len(keys), GET_FIRST_CHUNK_KEYS)
+            chunk = max(1, min(len(keys), located_keys))
             while len(blocks) < len(keys):
                 got = self._engine.get_many(keys[len(blocks):len(blocks) + chunk])
                 for block in got:

@@ -377,9 +377,10 @@ def main(argv=None) -> int:
                          "batch_blocks": BATCH_BLOCKS, "total_bytes": total_bytes, "devices": 4,
                          "device_size": device_size, "region_size": region_size, "quick": args.quick,
                          "medium": "ram (loop over /dev/shm)" if args.ram_devices else "device files",
-                         "cpus": os.cpu_count()}}
-    ram = RamDevices(4, device_size) if args.ram_devices else None
+                         "engine_alone_medium": "device files", "cpus": os.cpu_count()}}
+    ram = None
     try:
+        ram = RamDevices(4, device_size) if args.ram_devices else None
         result["kvtierd"] = bench_kvtierd(work, keys, blocks, device_size, region_size, ram and ram.paths)
         result["engine_alone"] = bench_engine_alone(work, keys, blocks, device_size, region_size)
         devices = ram.paths if ram else sorted((work / "kvtierd").glob("device*.img"))

@@ -189,9 +189,10 @@ def test_idle_connections_hold_no_arena_and_busy_ones_stay_in_budget(engine):
 
 
 def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
-    """No arenas at all and 2.5 MiB for buffers outside them: a 3 MiB PUT frame is refused
-    with BUSY before its payload is received (the connection serves on), smaller ones and
-    GETs through the copying path fit, and every byte reserved is given back."""
+    """No arenas at all and 2.5 MiB for buffers outside them: while other requests hold 2 MiB
+    of it a 1 MiB PUT is refused BUSY before its payload is received (the connection serves
+    on) and goes through once they are done; a 3 MiB frame, more than the whole budget, is
+    TOO_LARGE; GETs through the copying path fit; every byte reserved is given back."""
     from kvtier.client import RemoteError
     from kvtier.client import protocol as p
     from kvtier.daemon.server_arenas import ReplyArenas
@@ -204,14 +205,74 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
     try:
         with BlockClient(f"{host}:{port}", pool_size=1) as c:
             c.put(keys[0], blocks[0])
-            c.put(keys[1], blocks[1])
+            assert arenas.reserve_transient(2 << 20)  # other requests in flight
             with pytest.raises(RemoteError) as busy:
-                c.put_many(list(zip(keys, blocks)))  # one frame of 3 MiB
+                c.put(keys[1], blocks[1])
             assert busy.value.code == p.ErrorCode.BUSY and "retry" in str(busy.value)
-            assert c.ping() > 0 and c.lookup(keys) == 2  # same connection, nothing of the refused frame stored
+            assert c.ping() > 0 and c.lookup(keys[1:2]) == 0  # same connection; nothing of the frame stored
+            arenas.release_transient(2 << 20)
+            c.put(keys[1], blocks[1])
+            with pytest.raises(RemoteError) as too_large:
+                c.put_many(list(zip(keys, blocks)))  # one frame of 3 MiB
+            assert too_large.value.code == p.ErrorCode.TOO_LARGE and "whole budget" in str(too_large.value)
+            assert c.lookup(keys) == 2
             got = c.get_many(keys[:2])  # copying path: 2 MiB reserved, then given back
             assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in blocks[:2]]
         stats = arenas.statistics()
         assert (stats.created, stats.transient_bytes, stats.transient_refused) == (0, 0, 1), stats
     finally:
         server.stop()
+
+
+def test_the_copying_path_reads_what_one_arena_holds_and_reserves_once(engine):
+    """With every arena lent, a GET is read as bytes a reply's worth at a time (not 64 blocks
+    to send 4); a block larger than an arena whose read fails over to the copying path gives
+    its first reservation back before the second is made."""
+    from kvtier.client import protocol as p
+    from kvtier.daemon.engine import EngineError
+    from kvtier.daemon.server_arenas import ReplyArenas
+    from kvtier.daemon.server_handler import RequestHandler, Session
+    from kvtier.daemon.server_stats import ServerStatsRecorder
+
+    class Counting:
+        def __init__(self, inner, fail_placed=False):
+            self._inner, self.read_keys, self.fail_placed = inner, 0, fail_placed
+
+        def get_many(self, keys):
+            self.read_keys += len(keys)
+            return self._inner.get_many(keys)
+
+        def get_many_placed(self, keys, bufs, verify_payload=True):
+            if self.fail_placed:
+                raise EngineError("the block grew since it was located")
+            return self._inner.get_many_placed(keys, bufs, verify_payload)
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    keys = [bytes([10]) + i.to_bytes(15, "little") for i in range(40)]
+    blocks = [encode_block(k, NS, 0, os.urandom(250_000)) for k in keys]
+    engine.put_many(blocks)
+    counting = Counting(engine)
+    arenas = ReplyArenas(arena_bytes=1 << 20, budget_bytes=0)
+    handler = RequestHandler(counting, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict, arenas)
+    session, got, asked = Session("test", greeted=True), {}, list(range(40))
+    while asked:
+        reply, _ = handler.handle(p.Get(1, tuple(keys[i] for i in asked)), session)
+        handler.reply_sent(session)
+        got.update({i: bytes(b) for i, b in zip(asked, reply.blocks) if b is not p.DEFERRED})
+        asked = [i for i, b in zip(asked, reply.blocks) if b is p.DEFERRED]
+    assert [got[i][HEADER_SIZE:] for i in range(40)] == [b[HEADER_SIZE:] for b in blocks]
+    assert counting.read_keys <= 40 + 10, counting.read_keys  # a few re-reads at chunk edges, not 64 per round
+    assert arenas.statistics().transient_bytes == 0
+
+    big_key = bytes([11]) * 16
+    engine.put(encode_block(big_key, NS, 0, os.urandom(1_500_000)))  # larger than an arena: a buffer of its own
+    failing = Counting(engine, fail_placed=True)
+    tight = ReplyArenas(arena_bytes=1 << 20, transient_budget_bytes=2 << 20)
+    handler = RequestHandler(failing, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict, tight)
+    reply, _ = handler.handle(p.Get(2, (big_key,)), session)
+    assert isinstance(reply, p.GetReply) and len(reply.blocks[0]) == 1_500_000 + HEADER_SIZE
+    handler.reply_sent(session)
+    stats = tight.statistics()
+    assert (stats.transient_bytes, stats.transient_refused) == (0, 0)

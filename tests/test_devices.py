@@ -92,6 +92,45 @@ def test_missing_file_is_an_error_naming_it(tmp_path):
         FileDevice(tmp_path / "nothere.img")
 
 
+def test_a_created_file_has_its_space_reserved(tmp_path):
+    dev = FileDevice(tmp_path / "new.img", create_size_bytes=8 << 20)
+    try:
+        st = os.stat(tmp_path / "new.img")
+        assert dev.created and st.st_size == 8 << 20 and st.st_blocks * 512 >= 8 << 20
+    finally:
+        dev.close()
+    again = FileDevice(tmp_path / "new.img", create_size_bytes=8 << 20)
+    assert not again.created
+    again.close()
+
+
+@pytest.mark.root
+def test_a_filesystem_without_fallocate_gets_a_sparse_file_and_a_warning(tmp_path, caplog):
+    """ext2 has no fallocate: glibc's fallback writes single bytes, which O_DIRECT refuses."""
+    image, mnt = tmp_path / "ext2.img", tmp_path / "mnt"
+    mnt.mkdir()
+    image.write_bytes(b"")
+    os.truncate(image, 32 << 20)
+    if subprocess.run(["mkfs.ext2", "-q", "-F", str(image)], capture_output=True).returncode != 0:
+        pytest.skip("mkfs.ext2 is not available")
+    if subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot loop-mount an ext2 image here")
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.daemon.engine"):
+            dev = FileDevice(mnt / "dev.img", create_size_bytes=8 << 20)
+        try:
+            st = os.stat(mnt / "dev.img")
+            assert st.st_size == 8 << 20 and st.st_blocks * 512 < 1 << 20
+            assert "event=device_sparse" in caplog.text and "dev.img" in caplog.text
+            block = aligned_buffer(ALIGNMENT_BYTES)
+            block[:] = os.urandom(ALIGNMENT_BYTES)
+            dev.write(4096, [block])  # O_DIRECT writes work on the sparse file
+        finally:
+            dev.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def test_file_device_is_opened_o_direct(tmp_path):
     dev = FileDevice(tmp_path / "d.img", create_size_bytes=SIZE)
     try:

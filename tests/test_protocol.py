@@ -335,3 +335,16 @@ def test_after_hello_is_accepted_the_full_limits_apply(step):
     assert [normalize(e) for e in events] == [normalize(REQUESTS[5])]
     with pytest.raises(ValueError, match="server-side"):
         p.Connection(p.Role.CLIENT, hello_first=True)
+
+
+def test_put_batches_are_split_into_frames_one_daemon_arena_holds():
+    """12 blocks of 2 MiB go out as frames of at most 16 MiB (received into pooled arenas,
+    not transient buffers); a block larger than that travels alone."""
+    from kvtier.client import protocol_ops as ops
+
+    big = encode_block(K3, NS, 1, bytes(20 << 20))
+    items = [(bytes([i]) * 16, encode_block(bytes([i]) * 16, NS, 1, bytes((2 << 20) - 64))) for i in range(12)]
+    frames = next(ops.op_put_many(items + [(K3, big)] + items[:1], False, None, p.DEFAULT_LIMITS))
+    sizes = [sum(len(b) for b in frame.blocks) for frame in frames]
+    assert sizes == [16 << 20, 8 << 20, len(big), 2 << 20]
+    assert all(s <= ops.PUT_FRAME_BYTES_TARGET for s in sizes if s != len(big))

@@ -16,6 +16,8 @@ parallel from a thread pool.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import stat
@@ -27,6 +29,8 @@ from typing import Sequence
 import numpy as np
 
 from .errors import DeviceError
+
+log = logging.getLogger("kvtier.daemon.engine")
 
 ALIGNMENT_BYTES = 4096  # O_DIRECT needs 4 KiB alignment on 4Kn drives (512e drives accept it too)
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 transparent huge page: buffers at least this big ask for them
@@ -129,7 +133,10 @@ class FileDevice(Device):
     allocation (1.7x faster on this VM's ext4: fio 16 MiB writes, 0.49 GiB/s
     into a sparse file, 0.84 into a reserved one). Without ``create_size_bytes``
     a missing path raises :class:`DeviceError` naming it. An existing file is
-    used as it is, sparse or not.
+    used as it is, sparse or not. ``created`` says whether this call made the
+    file (the caller removes it if the store cannot be set up after all). A
+    filesystem that cannot reserve space (no ``fallocate``: glibc then writes
+    single bytes, which O_DIRECT refuses) gets a sparse file and a warning.
     """
 
     def __init__(self, path: str | os.PathLike, create_size_bytes: int | None = None, direct: bool = True):
@@ -139,10 +146,11 @@ class FileDevice(Device):
         if not exists and create_size_bytes is None:
             raise DeviceError(f"device {self.name} does not exist")
         try:
-            self._fd = os.open(self.name, flags | (0 if exists else os.O_CREAT), 0o600)
+            self._fd = os.open(self.name, flags | (0 if exists else os.O_CREAT | os.O_EXCL), 0o600)
         except OSError as exc:
             raise DeviceError(f"cannot open device {self.name}: {exc.strerror}") from exc
         self._closed = False
+        self.created = not exists
         self.is_block_device = stat.S_ISBLK(os.fstat(self._fd).st_mode)
         if not exists:
             self._reserve(create_size_bytes)
@@ -152,6 +160,11 @@ class FileDevice(Device):
         try:
             os.posix_fallocate(self._fd, 0, size_bytes)
         except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                log.warning("event=device_sparse device=%s size_bytes=%d reason=%r", self.name, size_bytes,
+                            f"the filesystem cannot reserve space ({exc.strerror}): created sparse")
+                os.ftruncate(self._fd, size_bytes)
+                return
             os.close(self._fd)
             self._closed = True
             os.unlink(self.name)

@@ -46,6 +46,8 @@ def open_devices(cfg: EngineConfig, create: bool) -> list[Device]:
     except (GeometryError, DeviceError):
         for device in devices:
             device.close()
+            if getattr(device, "created", False):  # made by this call, space reserved: give it back
+                os.unlink(device.name)
         raise
     return devices
 
