@@ -149,22 +149,24 @@ def _server_families(server: dict) -> Iterable[Metric]:
     yield latency
 
 
+# (request-buffer statistics field, metric name, family, help)
+_BUFFER_FIGURES = (
+    ("created", "kvtier_request_arenas", GaugeMetricFamily, "Request arenas allocated (kept for reuse)."),
+    ("lent", "kvtier_request_arenas_lent", GaugeMetricFamily, "Request arenas lent to a request right now."),
+    ("refused", "kvtier_request_arenas_refused", CounterMetricFamily, "Requests that found every arena lent out."),
+    ("transient_bytes", "kvtier_transient_buffer_bytes", GaugeMetricFamily,
+     "Request buffers outside the arenas right now."),
+    ("transient_budget_bytes", "kvtier_transient_buffer_budget_bytes", GaugeMetricFamily,
+     "Budget for request buffers outside the arenas."),
+    ("transient_refused", "kvtier_transient_buffer_refused", CounterMetricFamily,
+     "Requests refused BUSY: the transient budget was spent."),
+)
+
+
 def _buffer_families(buffers: dict) -> Iterable[Metric]:
     """The data server's request buffers: arenas lent per request, and transient buffers."""
-    if not buffers:
-        return
-    yield GaugeMetricFamily("kvtier_request_arenas", "Request arenas allocated (kept for reuse).",
-                            value=buffers["created"])
-    yield GaugeMetricFamily("kvtier_request_arenas_lent", "Request arenas lent to a request right now.",
-                            value=buffers["lent"])
-    yield CounterMetricFamily("kvtier_request_arenas_refused", "Requests that found every arena lent out.",
-                              value=buffers["refused"])
-    yield GaugeMetricFamily("kvtier_transient_buffer_bytes", "Request buffers outside the arenas right now.",
-                            value=buffers["transient_bytes"])
-    yield GaugeMetricFamily("kvtier_transient_buffer_budget_bytes", "Budget for request buffers outside the arenas.",
-                            value=buffers["transient_budget_bytes"])
-    yield CounterMetricFamily("kvtier_transient_buffer_refused", "Requests refused BUSY: the transient budget was spent.",
-                              value=buffers["transient_refused"])
+    for field, name, family, help_text in _BUFFER_FIGURES if buffers else ():
+        yield family(name, help_text, value=buffers[field])
 
 
 def _le(bound_s: float) -> str:
