@@ -13,6 +13,8 @@ mkdir -p perf/out
 step() { echo "[run_all] $(date -u +%H:%M:%S) $*"; "$@"; }
 step "$PY" perf/bench_engine.py "${quick[@]}"
 step "$PY" perf/bench_tcp.py "${quick[@]}"
+step "$PY" perf/plot_tcp.py perf/out/tcp.png perf/out/tcp.json
+step "$PY" perf/bench_index.py
 step "$PY" perf/bench_codecs.py "${quick[@]}"
 step "$PY" perf/codec_quality.py "${quick[@]}"
 step "$PY" perf/bench_ttft.py "${quick[@]}"
