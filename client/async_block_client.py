@@ -14,7 +14,7 @@ import time
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
 from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientStatistics, _lost, _not_repeated,
-                                        busy_retry_pause, geometry_from_info, limits_from_info, parse_address,
+                                        geometry_from_info, limits_from_info, parse_address,
                                         reader_verifies_from_info)
 from kvtier.client.stripe import StripeGeometry
 
@@ -103,7 +103,7 @@ class AsyncBlockClient:
         self._info: dict | None = None
         self._closed = False
         self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
-                        "bytes_sent": 0, "bytes_received": 0, "busy_retries": 0}
+                        "bytes_sent": 0, "bytes_received": 0}
         self.limits = p.DEFAULT_LIMITS
         self._reader_verifies = False  # the daemon leaves payload CRCs to us (HELLO features)
 
@@ -177,20 +177,6 @@ class AsyncBlockClient:
                 self._counts["bytes_sent"] += ch.conn.bytes_sent - before_out
 
     async def _call(self, make_op, repeatable: bool = True):
-        """As BlockClient._call: repeated after a pause while the daemon answers BUSY."""
-        attempt = 0
-        while True:
-            try:
-                return await self._call_once(make_op, repeatable)
-            except p.RemoteError as exc:
-                pause = busy_retry_pause(exc, attempt, repeatable)
-                if pause is None:
-                    raise
-            self._counts["busy_retries"] += 1
-            await asyncio.sleep(pause)
-            attempt += 1
-
-    async def _call_once(self, make_op, repeatable: bool = True):
         try:
             return await self._run(make_op)
         except _AsyncRetry as retry:

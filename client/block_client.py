@@ -56,21 +56,6 @@ class ClientStatistics:
     corrupt_blocks: int
     bytes_sent: int
     bytes_received: int
-    busy_retries: int  # calls repeated after the daemon answered BUSY (its request buffers were spent)
-
-
-BUSY_RETRIES = 5  # a call the daemon answers BUSY is repeated this often, after growing pauses
-BUSY_FIRST_PAUSE_S = 0.01  # doubling: 0.01 ... 0.16 s, 0.31 s in all
-
-
-def busy_retry_pause(error: Exception, attempt: int, repeatable: bool) -> float | None:
-    """The pause before repeating a call that failed with ``error``, or None: not a BUSY
-    answer to one of our requests (a BUSY with request id 0 is the connection limit, and
-    the connection is closed), not repeatable, or out of attempts."""
-    if (not isinstance(error, p.RemoteError) or error.code is not p.ErrorCode.BUSY or not error.request_id
-            or not repeatable or attempt >= BUSY_RETRIES):
-        return None
-    return BUSY_FIRST_PAUSE_S * (2 ** attempt)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -262,7 +247,7 @@ class BlockClient:
         self._info: dict | None = None
         self._closed = False
         self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
-                        "bytes_sent": 0, "bytes_received": 0, "busy_retries": 0}
+                        "bytes_sent": 0, "bytes_received": 0}
         self.limits = p.DEFAULT_LIMITS
         self._reader_verifies = False  # the daemon leaves payload CRCs to us (HELLO features)
 
@@ -341,21 +326,6 @@ class BlockClient:
                         bytes_sent=ch.conn.bytes_sent - before_out)
 
     def _call(self, make_op, into=None, repeatable: bool = True):
-        """:meth:`_call_once`, repeated after a pause while the daemon answers
-        BUSY (every op but DELETE gives the same result when repeated)."""
-        attempt = 0
-        while True:
-            try:
-                return self._call_once(make_op, into, repeatable)
-            except p.RemoteError as exc:
-                pause = busy_retry_pause(exc, attempt, repeatable)
-                if pause is None:
-                    raise
-            self._count(busy_retries=1)
-            time.sleep(pause)
-            attempt += 1
-
-    def _call_once(self, make_op, into=None, repeatable: bool = True):
         """Run a fresh op; if a pooled connection failed, once more on a new
         one, unless the op is not ``repeatable`` and its request went out."""
         try:

@@ -471,15 +471,3 @@ def test_async_client_does_not_repeat_a_delete_whose_reply_was_lost(kvtierd):
             assert await c.lookup([key]) == 0 and await c.delete(key) is False
     with ReplyDroppingProxy(kvtierd.data_addr) as proxy:
         asyncio.run(run(proxy))
-
-
-def test_busy_answers_are_retried_with_growing_pauses_and_nothing_else_is():
-    from kvtier.client.block_client import BUSY_FIRST_PAUSE_S, BUSY_RETRIES, busy_retry_pause
-
-    busy = RemoteError(p.ErrorCode.BUSY, "request buffers spent: retry", 7)
-    pauses = [busy_retry_pause(busy, attempt, True) for attempt in range(BUSY_RETRIES + 1)]
-    assert pauses[:-1] == [BUSY_FIRST_PAUSE_S * 2 ** i for i in range(BUSY_RETRIES)] and pauses[-1] is None
-    assert busy_retry_pause(busy, 0, repeatable=False) is None  # a DELETE is not repeated
-    assert busy_retry_pause(RemoteError(p.ErrorCode.BUSY, "too many connections", 0), 0, True) is None
-    assert busy_retry_pause(RemoteError(p.ErrorCode.TOO_LARGE, "whole budget", 7), 0, True) is None
-    assert busy_retry_pause(ConnectionLost("gone"), 0, True) is None
