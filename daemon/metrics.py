@@ -158,8 +158,10 @@ _BUFFER_FIGURES = (
      "Request buffers outside the arenas right now."),
     ("transient_budget_bytes", "kvtier_transient_buffer_budget_bytes", GaugeMetricFamily,
      "Budget for request buffers outside the arenas."),
+    ("transient_waits", "kvtier_transient_buffer_waits", CounterMetricFamily,
+     "Requests that found the transient budget spent and waited for room."),
     ("transient_refused", "kvtier_transient_buffer_refused", CounterMetricFamily,
-     "Requests refused BUSY: the transient budget was spent."),
+     "Requests refused BUSY: the transient budget stayed spent while they waited."),
 )
 
 

@@ -9,9 +9,10 @@ however many connections are open. When every arena the budget allows is
 lent out, a PUT payload gets a buffer of its own and a GET is answered by the
 copying path (blocks returned by the engine as bytes), both freed once sent.
 Those buffers, and those for requests larger than an arena, are *transient*
-and have a daemon-wide budget of their own: past it a request is refused with
-BUSY (the daemon serves on; the client may retry) instead of letting many
-large frames on many connections exhaust the daemon's memory.
+and have a daemon-wide budget of their own: a request that finds it spent
+waits (on a condition, up to ``transient_wait_s``) for others to give room
+back, and is refused with BUSY only then -- instead of many large frames on
+many connections exhausting the daemon's memory.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ GET_ARENA_BYTES_MAX = (16 << 20) + (64 << 10)  # one arena: a GET reply or PUT p
 GET_ARENAS_BYTES_MAX = 32 * GET_ARENA_BYTES_MAX  # all arenas of the daemon together (32 GETs in flight zero-copy); without a
 # shared budget, 1024 connections would keep 16 GiB
 TRANSIENT_BYTES_MAX = 1 << 30  # request buffers outside the arenas, all connections together
+TRANSIENT_WAIT_S = 2.0  # a request waits this long for transient room before BUSY: a few large replies' worth
 
 
 @dataclass(frozen=True)
@@ -37,37 +39,44 @@ class ReplyArenaStatistics:
     refused: int  # requests that found the budget spent (a buffer of their own, or the copying GET path)
     transient_bytes: int  # request buffers outside the arenas right now
     transient_budget_bytes: int
-    transient_refused: int  # requests refused with BUSY: the transient budget was spent
+    transient_refused: int  # requests refused with BUSY: the transient budget stayed spent for transient_wait_s
+    transient_waits: int  # requests that found the budget spent and waited for room
 
 
 class ReplyArenas:
     """A free list of page-aligned arenas of ``arena_bytes``, at most ``budget_bytes`` in all."""
 
     def __init__(self, arena_bytes: int = GET_ARENA_BYTES_MAX, budget_bytes: int = GET_ARENAS_BYTES_MAX,
-                 transient_budget_bytes: int = TRANSIENT_BYTES_MAX):
+                 transient_budget_bytes: int = TRANSIENT_BYTES_MAX, transient_wait_s: float = TRANSIENT_WAIT_S):
         if arena_bytes <= 0 or budget_bytes < 0 or transient_budget_bytes < 0:
             raise ValueError(f"arena_bytes must be positive, the budgets not negative, got {arena_bytes}, "
                              f"{budget_bytes}, {transient_budget_bytes}")
         self.arena_bytes, self.budget_bytes = arena_bytes, budget_bytes
-        self.transient_budget_bytes = transient_budget_bytes
+        self.transient_budget_bytes, self.transient_wait_s = transient_budget_bytes, transient_wait_s
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified whenever transient room is given back
         self._free: list[memoryview] = []
         self._created = self._lent = self._refused = 0
-        self._transient = self._transient_refused = 0
+        self._transient = self._transient_refused = self._transient_waits = 0
 
     def reserve_transient(self, nbytes: int) -> bool:
-        """Room for a request buffer of ``nbytes`` outside the arenas (False: the budget is spent)."""
-        with self._lock:
-            if self._transient + nbytes > self.transient_budget_bytes:
-                self._transient_refused += 1
-                return False
+        """Room for a request buffer of ``nbytes`` outside the arenas, waiting up to
+        ``transient_wait_s`` for other requests to give some back (False: still spent)."""
+        fits = lambda: self._transient + nbytes <= self.transient_budget_bytes  # noqa: E731
+        with self._room:
+            if not fits():
+                self._transient_waits += 1
+                if not self._room.wait_for(fits, self.transient_wait_s):
+                    self._transient_refused += 1
+                    return False
             self._transient += nbytes
             return True
 
     def release_transient(self, nbytes: int) -> None:
-        with self._lock:
+        with self._room:
             assert 0 <= nbytes <= self._transient, (nbytes, self._transient)
             self._transient -= nbytes
+            self._room.notify_all()
 
     def acquire(self) -> memoryview | None:
         """An arena for one request, or None when the budget is spent."""
@@ -95,4 +104,5 @@ class ReplyArenas:
     def statistics(self) -> ReplyArenaStatistics:
         with self._lock:
             return ReplyArenaStatistics(self.arena_bytes, self.budget_bytes, self._created, self._lent, self._refused,
-                                        self._transient, self.transient_budget_bytes, self._transient_refused)
+                                        self._transient, self.transient_budget_bytes, self._transient_refused,
+                                        self._transient_waits)

@@ -214,8 +214,9 @@ class RequestHandler:
         if not self.arenas.reserve_transient(nbytes):
             stats = self.arenas.statistics()
             raise TransientBudgetSpent(
-                f"the daemon's request buffers are spent ({stats.transient_bytes} of "
-                f"{stats.transient_budget_bytes} bytes in use by other requests, {nbytes} more asked): retry")
+                f"the daemon's request buffers stayed spent for {self.arenas.transient_wait_s} s "
+                f"({stats.transient_bytes} of {stats.transient_budget_bytes} bytes in use by other requests, "
+                f"{nbytes} more asked): retry later")
         session.transient_bytes += nbytes
 
     def admit_payload(self, session: Session, nbytes: int) -> tuple[p.ErrorCode, str] | None:

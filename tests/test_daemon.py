@@ -34,9 +34,9 @@ def test_64_concurrent_clients_byte_exact(kvtierd):
                 for round_ in range(2):
                     keys = [key_of(tag, round_ * 4 + i) for i in range(4)]
                     blocks = [block_of(k, 1000 + 997 * ((tag + i) % 9)) for i, k in enumerate(keys)]
-                    seqs = c.put_many(list(zip(keys, blocks)))
-                    with lock:
+                    with lock:  # before the put: a neighbour may read them as soon as the daemon has them
                         stored.update(zip(keys, blocks))
+                    seqs = c.put_many(list(zip(keys, blocks)))
                     for k, b, s, got in zip(keys, blocks, seqs, c.get_many(keys)):
                         verify_block(got, expected_key=k, expected_seq=s)
                         assert got[HEADER_SIZE:] == b[HEADER_SIZE:]

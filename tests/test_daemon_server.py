@@ -190,14 +190,17 @@ def test_idle_connections_hold_no_arena_and_busy_ones_stay_in_budget(engine):
 
 def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
     """No arenas at all and 2.5 MiB for buffers outside them: while other requests hold 2 MiB
-    of it a 1 MiB PUT is refused BUSY before its payload is received (the connection serves
-    on) and goes through once they are done; a 3 MiB frame, more than the whole budget, is
-    TOO_LARGE; GETs through the copying path fit; every byte reserved is given back."""
+    of it a 1 MiB PUT waits for room, and is refused BUSY before its payload is received
+    when none comes back in time (the connection serves on), or goes through once the others
+    are done; a 3 MiB frame, more than the whole budget, is TOO_LARGE; GETs through the
+    copying path fit; every byte reserved is given back."""
+    import threading
+
     from kvtier.client import RemoteError
     from kvtier.client import protocol as p
     from kvtier.daemon.server_arenas import ReplyArenas
 
-    arenas = ReplyArenas(budget_bytes=0, transient_budget_bytes=5 << 19)
+    arenas = ReplyArenas(budget_bytes=0, transient_budget_bytes=5 << 19, transient_wait_s=30.0)
     server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20, reply_arenas=arenas)
     host, port = server.start()
     keys = [bytes([9]) + i.to_bytes(15, "little") for i in range(3)]
@@ -205,21 +208,25 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
     try:
         with BlockClient(f"{host}:{port}", pool_size=1) as c:
             c.put(keys[0], blocks[0])
-            assert arenas.reserve_transient(2 << 20)  # other requests in flight
+            assert arenas.reserve_transient(2 << 20)  # other requests in flight (after the PUT's reply_sent)
+            arenas.transient_wait_s = 0.2
             with pytest.raises(RemoteError) as busy:
                 c.put(keys[1], blocks[1])
-            assert busy.value.code == p.ErrorCode.BUSY and "retry" in str(busy.value)
+            assert busy.value.code == p.ErrorCode.BUSY and "stayed spent for 0.2 s" in str(busy.value)
             assert c.ping() > 0 and c.lookup(keys[1:2]) == 0  # same connection; nothing of the frame stored
-            arenas.release_transient(2 << 20)
-            c.put(keys[1], blocks[1])
+            arenas.transient_wait_s = 30.0  # however late the timer thread runs on a loaded machine
+            threading.Timer(0.05, arenas.release_transient, args=(2 << 20,)).start()  # the others finish
+            c.put(keys[1], blocks[1])  # waits for that room, then is stored
             with pytest.raises(RemoteError) as too_large:
                 c.put_many(list(zip(keys, blocks)))  # one frame of 3 MiB
             assert too_large.value.code == p.ErrorCode.TOO_LARGE and "whole budget" in str(too_large.value)
             assert c.lookup(keys) == 2
             got = c.get_many(keys[:2])  # copying path: 2 MiB reserved, then given back
             assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in blocks[:2]]
+        server.stop()  # its connection threads are done: every reply_sent has run
         stats = arenas.statistics()
-        assert (stats.created, stats.transient_bytes, stats.transient_refused) == (0, 0, 1), stats
+        assert (stats.created, stats.transient_bytes, stats.transient_refused) == (0, 0, 1)
+        assert stats.transient_waits >= 2  # the refused PUT and the one that got through (and any racing reply_sent)
     finally:
         server.stop()
 

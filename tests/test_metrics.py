@@ -134,6 +134,7 @@ def test_request_buffers(workload):
     assert value(after, "kvtier_transient_buffer_bytes") == 0
     assert value(after, "kvtier_transient_buffer_budget_bytes") == 1 << 30
     assert value(after, "kvtier_transient_buffer_refused", "kvtier_transient_buffer_refused_total") == 0
+    assert value(after, "kvtier_transient_buffer_waits", "kvtier_transient_buffer_waits_total") == 0
 
 
 def test_metrics_agree_with_the_stats_endpoint(workload, http):
