@@ -24,8 +24,8 @@ from kvtier.daemon.engine.devices import aligned_buffer
 GET_ARENA_BYTES_MAX = (16 << 20) + (64 << 10)  # one arena: a GET reply or PUT payload of 8 blocks of 2 MiB
 # (each block read with its aligned range: up to 8 KiB more); a larger one gets a buffer of its own, freed
 # once handled (transient)
-GET_ARENAS_BYTES_MAX = 32 * GET_ARENA_BYTES_MAX  # all arenas of the daemon together (32 GETs in flight zero-copy); without a
-# shared budget, 1024 connections would keep 16 GiB
+GET_ARENAS_BYTES_MAX = 32 * GET_ARENA_BYTES_MAX  # all arenas of the daemon together (32 requests in flight
+# without a copy); without a shared budget, 1024 connections would keep 16 GiB
 TRANSIENT_BYTES_MAX = 1 << 30  # request buffers outside the arenas, all connections together
 TRANSIENT_WAIT_S = 2.0  # a request waits this long for transient room before BUSY: a few large replies' worth
 
