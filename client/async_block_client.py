@@ -13,9 +13,8 @@ import time
 
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
-from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientStatistics, _lost, _not_repeated,
-                                        geometry_from_info, limits_from_info, parse_address,
-                                        reader_verifies_from_info)
+from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientBase, ClientStatistics, _lost, _not_repeated,
+                                        geometry_from_info)
 from kvtier.client.stripe import StripeGeometry
 
 READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
@@ -88,24 +87,15 @@ class _AsyncChannel:
             return event
 
 
-class AsyncBlockClient:
+class AsyncBlockClient(ClientBase):
     """The asyncio twin of :class:`kvtier.client.BlockClient`."""
 
     def __init__(self, address: str = "127.0.0.1:7410", token: str | None = None, pool_size: int = 4,
                  timeout_s: float = 30.0, client_name: str = "kvtier-async-client"):
-        if pool_size < 1:
-            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
-        self._host, self._port = parse_address(address)
-        self._token, self._timeout_s, self._name = token, timeout_s, client_name
+        super().__init__(address, token, pool_size, timeout_s, client_name)
         self._pool: list[_AsyncChannel] = []
         self._slots: asyncio.Semaphore | None = None
         self._pool_size = pool_size
-        self._info: dict | None = None
-        self._closed = False
-        self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
-                        "bytes_sent": 0, "bytes_received": 0}
-        self.limits = p.DEFAULT_LIMITS
-        self._reader_verifies = False  # the daemon leaves payload CRCs to us (HELLO features)
 
     async def __aenter__(self) -> "AsyncBlockClient":
         return self
@@ -131,10 +121,8 @@ class AsyncBlockClient:
         try:
             ch = await _AsyncChannel.open(self._host, self._port, self._timeout_s, self._token, self._name)
         except (OSError, asyncio.TimeoutError) as exc:
-            raise p.ConnectionLost(f"cannot connect to kvtierd at {self._host}:{self._port}: {exc}") from exc
-        self._info = ch.info
-        self.limits = limits_from_info(ch.info)
-        self._reader_verifies = reader_verifies_from_info(ch.info)
+            raise self._cannot_connect(exc) from exc
+        self._hello_info(ch.info)
         return ch
 
     async def _run(self, make_op):

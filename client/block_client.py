@@ -31,10 +31,9 @@ import numpy as np
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
 from kvtier.client.sendmsg_all import sendmsg_all
+from kvtier.client.socket_receive import receive_some
 from kvtier.client.stripe import StripeGeometry
 
-RECV_CHUNK_BYTES = 64 << 10  # frame headers and small replies (payloads land in their buffer); under
-# glibc's mmap threshold: a 256 KiB recv() costs an mmap + munmap per call (~20 us)
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
 REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)
 PIPELINE_FRAMES_MAX = 8  # frames in flight per connection: bounds buffering on both sides
@@ -81,9 +80,33 @@ def limits_from_info(info) -> p.Limits:
                     block_bytes_max=min(d.block_bytes_max, theirs.get("block_bytes_max", d.block_bytes_max)))
 
 
-def reader_verifies_from_info(info) -> bool:
-    """Whether the daemon lets a reader that checks payload CRCs itself skip its own check."""
-    return p.FEATURE_GET_READER_VERIFIES in info.get("features", ())
+class ClientBase:
+    """What the blocking and the asyncio clients share: where the daemon is, who we are,
+    what its last HELLO said, and the counters."""
+
+    def __init__(self, address: str, token: str | None, pool_size: int, timeout_s: float, client_name: str):
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
+        self._host, self._port = parse_address(address)
+        self._token, self._timeout_s, self._name = token, timeout_s, client_name
+        self._info: dict | None = None
+        self._closed = False
+        self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
+                        "bytes_sent": 0, "bytes_received": 0}
+        self.limits = p.DEFAULT_LIMITS
+
+    def _hello_info(self, info: dict) -> None:
+        """A connection's HELLO reply: the daemon's document and the limits it implies."""
+        self._info = info
+        self.limits = limits_from_info(info)
+
+    @property
+    def _reader_verifies(self) -> bool:
+        """The daemon lets a reader that checks payload CRCs itself skip its own check."""
+        return self._info is not None and p.FEATURE_GET_READER_VERIFIES in self._info.get("features", ())
+
+    def _cannot_connect(self, exc: Exception) -> p.ConnectionLost:
+        return p.ConnectionLost(f"cannot connect to kvtierd at {self._host}:{self._port}: {exc}")
 
 
 class ReplyBuffers:
@@ -214,15 +237,7 @@ class _Channel:
                             self._scratch = bytearray(head.payload_len)
                         conn.set_payload_buffer(self._scratch)
                         in_scratch = True
-                view = conn.payload_view()
-                if view is not None:
-                    n = sock.recv_into(view)
-                    if n:
-                        conn.payload_received(n)
-                    else:
-                        conn.receive_data(b"")
-                else:
-                    conn.receive_data(sock.recv(RECV_CHUNK_BYTES))
+                receive_some(sock, conn)
                 continue
             if event is p.CONNECTION_CLOSED:
                 raise p.ConnectionLost("the daemon closed the connection")
@@ -232,24 +247,15 @@ class _Channel:
             return event
 
 
-class BlockClient:
+class BlockClient(ClientBase):
     """Blocking client; thread-safe; see the module doc."""
 
     def __init__(self, address: str = "127.0.0.1:7410", token: str | None = None, pool_size: int = 4,
                  timeout_s: float = 30.0, client_name: str = "kvtier-client"):
-        if pool_size < 1:
-            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
-        self._host, self._port = parse_address(address)
-        self._token, self._timeout_s, self._name = token, timeout_s, client_name
+        super().__init__(address, token, pool_size, timeout_s, client_name)
         self._pool: queue.LifoQueue[_Channel] = queue.LifoQueue()
         self._slots = threading.BoundedSemaphore(pool_size)
         self._lock = threading.Lock()
-        self._info: dict | None = None
-        self._closed = False
-        self._counts = {"requests": 0, "frames": 0, "reconnects": 0, "corrupt_blocks": 0,
-                        "bytes_sent": 0, "bytes_received": 0}
-        self.limits = p.DEFAULT_LIMITS
-        self._reader_verifies = False  # the daemon leaves payload CRCs to us (HELLO features)
 
     # -- plumbing -----------------------------------------------------------
     def __enter__(self) -> "BlockClient":
@@ -270,11 +276,9 @@ class BlockClient:
         try:
             ch = _Channel(self._host, self._port, self._timeout_s, self._token, self._name)
         except OSError as exc:
-            raise p.ConnectionLost(f"cannot connect to kvtierd at {self._host}:{self._port}: {exc}") from exc
+            raise self._cannot_connect(exc) from exc
         with self._lock:
-            self._info = ch.info
-            self.limits = limits_from_info(ch.info)
-            self._reader_verifies = reader_verifies_from_info(ch.info)
+            self._hello_info(ch.info)
         return ch
 
     def _pooled_or_new(self) -> tuple[_Channel, bool]:

@@ -29,13 +29,13 @@ import time
 
 from kvtier.client import protocol as p
 from kvtier.client.sendmsg_all import sendmsg_all
+from kvtier.client.socket_receive import RECV_CHUNK_BYTES, receive_some
 from kvtier.daemon.server_arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server_handler import RequestHandler, Session
 from kvtier.daemon.server_stats import ServerStatistics, ServerStatsRecorder
 
 log = logging.getLogger("kvtier.daemon.server")
 
-RECV_CHUNK_BYTES = 64 << 10  # headers and small frames; payloads go straight to their buffer
 LISTEN_BACKLOG = 512  # pending connections the kernel queues
 HELLO_TIMEOUT_S = 5.0  # from accept to a successful HELLO (a client sends it first thing): an idle or
 # trickling unauthenticated peer gives its connection slot back this soon (or at the frame timeout, if shorter)
@@ -208,15 +208,7 @@ class DataServer:
                     sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
                     recorder.request_done("rejected", 0.0, 0, sent)
                     continue
-                view = conn.payload_view()
-                if view is not None:
-                    n = sock.recv_into(view)
-                    if n:
-                        conn.payload_received(n)
-                    else:
-                        conn.receive_data(b"")
-                else:
-                    conn.receive_data(sock.recv(RECV_CHUNK_BYTES))
+                receive_some(sock, conn)
                 continue
             if event is p.CONNECTION_CLOSED:
                 return
