@@ -14,7 +14,7 @@ import time
 from kvtier.client import protocol as p
 from kvtier.client import protocol_ops as ops
 from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientBase, ClientStatistics, _lost, _not_repeated,
-                                        geometry_from_info)
+                                        accept_reply, geometry_from_info)
 from kvtier.client.stripe import StripeGeometry
 
 READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
@@ -56,14 +56,7 @@ class _AsyncChannel:
                 sent += 1
             await asyncio.wait_for(self.writer.drain(), self.timeout_s)
             reply = await asyncio.wait_for(self._read_reply(), self.timeout_s)
-            expected = self._next_id - (sent - len(replies))
-            if reply.request_id != expected and not (isinstance(reply, p.ErrorReply) and reply.request_id == 0):
-                raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, "
-                                      f"expected {expected}")  # an error reply too: it must be for this request
-            if isinstance(reply, p.ErrorReply):
-                first_error = first_error or p.RemoteError(reply.code, reply.message, reply.request_id)
-                if reply.request_id == 0:  # the daemon closes after a connection-level error
-                    raise first_error
+            first_error = accept_reply(reply, self._next_id - (sent - len(replies)), first_error)
             replies.append(reply)
         if first_error is not None:
             raise first_error

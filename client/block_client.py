@@ -80,6 +80,19 @@ def limits_from_info(info) -> p.Limits:
                     block_bytes_max=min(d.block_bytes_max, theirs.get("block_bytes_max", d.block_bytes_max)))
 
 
+def accept_reply(reply, expected_id: int, first_error: p.RemoteError | None) -> p.RemoteError | None:
+    """Check one pipelined reply against the request it must answer -- an error reply too --
+    and return the first error reply so far (the rest of the pipeline is still read). A reply
+    out of order, or a connection-level error (request id 0: the daemon closes), raises now."""
+    if reply.request_id != expected_id and not (isinstance(reply, p.ErrorReply) and reply.request_id == 0):
+        raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, expected {expected_id}")
+    if isinstance(reply, p.ErrorReply):
+        first_error = first_error or p.RemoteError(reply.code, reply.message, reply.request_id)
+        if reply.request_id == 0:
+            raise first_error
+    return first_error
+
+
 class ClientBase:
     """What the blocking and the asyncio clients share: where the daemon is, who we are,
     what its last HELLO said, and the counters."""
@@ -203,14 +216,7 @@ class _Channel:
                 self._next_id += 1
                 sent += 1
             reply = self._read_reply(into if len(messages) == 1 or into is ZERO_COPY else None)
-            expected = self._next_id - (sent - len(replies))
-            if reply.request_id != expected and not (isinstance(reply, p.ErrorReply) and reply.request_id == 0):
-                raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, "
-                                      f"expected {expected}")
-            if isinstance(reply, p.ErrorReply):
-                first_error = first_error or p.RemoteError(reply.code, reply.message, reply.request_id)
-                if reply.request_id == 0:  # the daemon closes after a connection-level error
-                    raise first_error
+            first_error = accept_reply(reply, self._next_id - (sent - len(replies)), first_error)
             replies.append(reply)
         if first_error is not None:
             raise first_error
