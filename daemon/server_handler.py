@@ -203,9 +203,7 @@ class RequestHandler:
         if nbytes > self.arenas.arena_bytes:
             self._reserve_transient(session, nbytes)
             return aligned_buffer(nbytes, huge=True)
-        if session.get_arena is None:
-            session.get_arena = self.arenas.acquire()
-        return session.get_arena
+        return self._session_arena(session)
 
     def _reserve_transient(self, session: Session, nbytes: int) -> None:
         if nbytes > self.arenas.transient_budget_bytes:
@@ -238,6 +236,10 @@ class RequestHandler:
         larger than an arena, or the pool is spent (see :meth:`admit_payload`)."""
         if nbytes > self.arenas.arena_bytes:
             return None
+        return self._session_arena(session)
+
+    def _session_arena(self, session: Session) -> memoryview | None:
+        """The arena this request borrowed, borrowing one if it has none (None: all lent)."""
         if session.get_arena is None:
             session.get_arena = self.arenas.acquire()
         return session.get_arena
