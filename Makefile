@@ -11,9 +11,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-# the daemon alone: no GPU stack, no torch
+# the daemon alone (its extra: admin API, metrics): no GPU stack, no torch
 $(VENV)/.run-deps: $(PY) pyproject.toml
-	$(PIP) install -e .
+	$(PIP) install -e '.[daemon]'
 	touch $@
 
 # torch==2.13.0 first: a plain `torch` requirement would pull a multi-GB CUDA build

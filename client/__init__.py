@@ -3,7 +3,7 @@ block clients of kvtierd.
 
     from kvtier.client import BlockClient, AsyncBlockClient, ClientError, RemoteError, BlockLocationInfo
 
-Names are imported on first use, so ``import kvtier.client.blockformat`` (as
+Names are imported on first use, so ``import kvtier.common.blockformat`` (as
 the daemon does) pulls in nothing else.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ _EXPORTS = {
     "BlockLocationInfo": "kvtier.client.block_client",
     "ClientStatistics": "kvtier.client.block_client",
     "AsyncBlockClient": "kvtier.client.async_block_client",
-    "ClientError": "kvtier.client.protocol_messages",
-    "RemoteError": "kvtier.client.protocol_messages",
-    "ProtocolError": "kvtier.client.protocol_messages",
-    "ConnectionLost": "kvtier.client.protocol_messages",
-    "ErrorCode": "kvtier.client.protocol_messages",
+    "ClientError": "kvtier.wire.events",
+    "RemoteError": "kvtier.wire.events",
+    "ProtocolError": "kvtier.wire.events",
+    "ConnectionLost": "kvtier.wire.events",
+    "ErrorCode": "kvtier.wire.events",
 }
 __all__ = sorted(_EXPORTS)
 

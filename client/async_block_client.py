@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvtier.client import protocol as p
+from kvtier.wire import connection as p
 from kvtier.client import protocol_ops as ops
 from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientBase, ClientStatistics, _lost, _not_repeated,
                                         accept_reply, geometry_from_info)
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.stripe import StripeGeometry
 
 READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.client import protocol as p
+from kvtier.wire import connection as p
 from kvtier.client import protocol_ops as ops
-from kvtier.client.sendmsg_all import sendmsg_all
-from kvtier.client.socket_receive import receive_some
-from kvtier.client.stripe import StripeGeometry
+from kvtier.wire.sockets import sendmsg_all
+from kvtier.wire.sockets import receive_some
+from kvtier.common.stripe import StripeGeometry
 
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
 REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .keys import KVLayout
+from kvtier.common.keys import KVLayout
 
 
 def torch_dtype(layout: KVLayout):

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .blockformat import BlockFormatError, verify_block
-from .stripe import StripeGeometry
+from kvtier.common.blockformat import BlockFormatError, verify_block
+from kvtier.common.stripe import StripeGeometry
 
 ALIGNMENT_BYTES = 4096  # O_DIRECT needs logical-block alignment; 4 KiB covers 4Kn and 512e drives
 COALESCE_GAP_BYTES_MAX = 256 * 1024  # reading a gap this small beats another syscall per block

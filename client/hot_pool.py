@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .block_payload import copy_tensor
-from .keys import KVLayout
+from kvtier.common.keys import KVLayout
 
 HOT_POOL_BLOCKS_MAX = 1 << 22  # 4M slots: keeps the index's dicts well under 1 GiB of host memory
 

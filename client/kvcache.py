@@ -41,10 +41,10 @@ from typing import Iterator, Mapping, Sequence
 from kvtier.kernels import MixedCodec, get_codec
 
 from .block_payload import blocks_from_kv, check_kv, copy_block_into, empty_kv, layers_of, torch_dtype
-from .blockformat import BlockFormatError, decode_header, encode_block, payload_of
+from kvtier.common.blockformat import BlockFormatError, decode_header, encode_block, payload_of
 from .direct_reader import DirectLocation, DirectReader
 from .hot_pool import HotPool
-from .keys import Namespace
+from kvtier.common.keys import Namespace
 from .tier_stats import CacheStatistics, TierRecorder
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class KVCache:
         from . import BlockClient  # the block client (TCP); imported here to keep this module light
 
         if not isinstance(namespace, Namespace):
-            raise ValueError("namespace must be a kvtier.client.keys.Namespace")
+            raise ValueError("namespace must be a kvtier.common.keys.Namespace")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "direct" and not device_map:

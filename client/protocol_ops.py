@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Generator, Sequence
 
-from kvtier.client import protocol as p
-from kvtier.client.blockformat import BlockFormatError, verify_block
+from kvtier.wire import connection as p
+from kvtier.common.blockformat import BlockFormatError, verify_block
 
 Op = Generator[list, list, object]
 

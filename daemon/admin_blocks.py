@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from kvtier.client.blockformat import BlockFormatError, verify_block
+from kvtier.common.blockformat import BlockFormatError, verify_block
 from kvtier.daemon.admin_errors import error_response
 from kvtier.daemon.admin_models import EvictRequest, KeySelection, key_from_hex
 from kvtier.daemon.admin_state import AdminStateView

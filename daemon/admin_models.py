@@ -2,7 +2,7 @@
 
 A key travels as 32 hex digits. A set of blocks is named either by its keys or
 by a namespace and a token list, which the daemon turns into the chained keys
-with :mod:`kvtier.client.keys` (the same keys every engine computes).
+with :mod:`kvtier.common.keys` (the same keys every engine computes).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from kvtier.client.keys import KEY_SIZE_BYTES, KV_DTYPES, KVLayout, Namespace
+from kvtier.common.keys import KEY_SIZE_BYTES, KV_DTYPES, KVLayout, Namespace
 
 KEYS_PER_REQUEST_MAX = 65536  # one pin/evict call stays a bounded batch (1 MiB of hex)
 TOKENS_PER_REQUEST_MAX = 4 << 20  # a 4M-token prefix is far past any context window
@@ -48,7 +48,7 @@ class LayoutSpec(_Strict):
 
 
 class NamespaceSpec(_Strict):
-    """The fields of :class:`kvtier.client.keys.Namespace`, as JSON."""
+    """The fields of :class:`kvtier.common.keys.Namespace`, as JSON."""
 
     model: str = Field(min_length=1, max_length=NAMESPACE_FIELD_CHARS_MAX)
     layout: LayoutSpec

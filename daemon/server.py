@@ -27,9 +27,9 @@ import socket
 import threading
 import time
 
-from kvtier.client import protocol as p
-from kvtier.client.sendmsg_all import sendmsg_all
-from kvtier.client.socket_receive import RECV_CHUNK_BYTES, receive_some
+from kvtier.wire import connection as p
+from kvtier.wire.sockets import sendmsg_all
+from kvtier.wire.sockets import RECV_CHUNK_BYTES, receive_some
 from kvtier.daemon.server_arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server_handler import RequestHandler, Session
 from kvtier.daemon.server_stats import ServerStatistics, ServerStatsRecorder

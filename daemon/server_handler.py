@@ -14,9 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from kvtier.client import protocol as p
-from kvtier.client import protocol_frames as frames
-from kvtier.client.blockformat import BlockFormatError, decode_header
+from kvtier.wire import connection as p
+from kvtier.wire import frames as frames
+from kvtier.common.blockformat import BlockFormatError, decode_header
 from kvtier.daemon.engine.devices import ALIGNMENT_BYTES, aligned_buffer
 from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas  # noqa: F401  (re-exported)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.client.blockformat import HEADER_SIZE, encode_header
+from kvtier.common.blockformat import HEADER_SIZE, encode_header
 from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.daemon.engine.devices import aligned_buffer
 

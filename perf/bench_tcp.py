@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from daemon_proc import start_kvtierd  # noqa: E402
 
 from kvtier.client import BlockClient  # noqa: E402
-from kvtier.client.blockformat import HEADER_SIZE, encode_block  # noqa: E402
+from kvtier.common.blockformat import HEADER_SIZE, encode_block  # noqa: E402
 
 BLOCK_PAYLOAD_BYTES = 2 << 20  # 2 MiB blocks, as the issue asks
 CONNECTIONS = 4

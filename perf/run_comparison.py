@@ -110,7 +110,7 @@ def redis_bandwidth(scale: Scale) -> tuple[float, float, str]:
     """(SET bytes/s, GET bytes/s, command) of redis-py against a fresh redis-server."""
     import redis
 
-    from kvtier.client.blockformat import encode_block
+    from kvtier.common.blockformat import encode_block
     from kvtier.tools.kvperf.content import block_key, keyspace_ns_id, payload_for
 
     port = free_port()

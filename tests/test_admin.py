@@ -12,8 +12,8 @@ import pytest
 from daemon_proc import start_kvtierd
 
 from kvtier.client import BlockClient
-from kvtier.client.blockformat import HEADER_SIZE, encode_block, payload_of, verify_block
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.blockformat import HEADER_SIZE, encode_block, payload_of, verify_block
+from kvtier.common.keys import KVLayout, Namespace
 from kvtier.daemon.admin_models import KEYS_PER_REQUEST_MAX
 from kvtier.kernels.codec_ids import codec_id
 

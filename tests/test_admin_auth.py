@@ -7,7 +7,7 @@ from daemon_proc import start_kvtierd
 from starlette.testclient import TestClient
 
 from kvtier.client import BlockClient, RemoteError
-from kvtier.client.blockformat import encode_block
+from kvtier.common.blockformat import encode_block
 from kvtier.daemon.admin import AdminServer, AdminServerError
 from kvtier.daemon.admin_routes import build_app
 from kvtier.daemon.admin_state import AdminStateView

@@ -12,9 +12,9 @@ import pytest
 
 from daemon_proc import start_kvtierd
 from kvtier.client import BlockClient, RemoteError
-from kvtier.client import protocol as p
-from kvtier.client import protocol_frames as f
-from kvtier.client.blockformat import HEADER_SIZE, encode_block
+from kvtier.wire import connection as p
+from kvtier.wire import frames as f
+from kvtier.common.blockformat import HEADER_SIZE, encode_block
 
 NS = b"\x05" * 16
 KEEP_KEYS = [bytes([0xEE]) + i.to_bytes(15, "little") for i in range(4)]

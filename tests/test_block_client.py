@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from kvtier.client import AsyncBlockClient, BlockClient, BlockLocationInfo, ConnectionLost, RemoteError
-from kvtier.client import protocol as p
-from kvtier.client import protocol_frames as f
-from kvtier.client.blockformat import HEADER_SIZE, decode_header, encode_block, verify_block
-from kvtier.client.keys import KVLayout, Namespace, chain_keys
+from kvtier.wire import connection as p
+from kvtier.wire import frames as f
+from kvtier.common.blockformat import HEADER_SIZE, decode_header, encode_block, verify_block
+from kvtier.common.keys import KVLayout, Namespace, chain_keys
 from kvtier.client import protocol_ops as ops
 
 from daemon_proc import device_map_of
@@ -189,7 +189,7 @@ def test_big_gets_are_split_and_deferred_items_fetched(kvtierd):
     blocks = [make_block(k, 3 << 20) for k in keys]  # 36 MiB over 3 MiB blocks; regions are 4 MiB
     with BlockClient(kvtierd.data_addr) as c:
         c.put_many(list(zip(keys, blocks)))
-        import kvtier.client.protocol_messages as m
+        import kvtier.wire.events as m
         got = c.get_many(keys)
         assert [g[HEADER_SIZE:] == b[HEADER_SIZE:] for g, b in zip(got, blocks)] == [True] * 12
         assert m.PAYLOAD_BYTES_MAX > 36 << 20  # the deferral path itself is covered in test_daemon

@@ -1,6 +1,6 @@
 import pytest
 
-from kvtier.client.blockformat import (HEADER_SIZE, BlockFormatError, decode_header, encode_block,
+from kvtier.common.blockformat import (HEADER_SIZE, BlockFormatError, decode_header, encode_block,
                                        encode_header, payload_of, stamp_sequence, verify_block)
 
 KEY = bytes(range(16))

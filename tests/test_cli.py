@@ -12,8 +12,8 @@ import pytest
 from daemon_proc import start_kvtierd
 
 from kvtier.client import BlockClient
-from kvtier.client.blockformat import HEADER_SIZE, encode_block, payload_of
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.blockformat import HEADER_SIZE, encode_block, payload_of
+from kvtier.common.keys import KVLayout, Namespace
 from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.kernels.codec_ids import codec_id
 from kvtier.tools.admin_cli import main

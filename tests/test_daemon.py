@@ -11,7 +11,7 @@ import pytest
 
 from daemon_proc import start_kvtierd
 from kvtier.client import BlockClient, RemoteError
-from kvtier.client.blockformat import HEADER_SIZE, encode_block, verify_block
+from kvtier.common.blockformat import HEADER_SIZE, encode_block, verify_block
 
 NS = b"\x0a" * 16
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import BlockClient
-from kvtier.client.blockformat import HEADER_SIZE, encode_block
+from kvtier.common.blockformat import HEADER_SIZE, encode_block
 from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.daemon.server import DataServer
 
@@ -64,7 +64,7 @@ def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
     """Blocks are located, then read into the reply buffer; if a block changed
     size in between (the engine refuses the too-small buffer), the GET is
     answered by the copying path instead of failing."""
-    from kvtier.client import protocol as p
+    from kvtier.wire import connection as p
     from kvtier.daemon.engine import EngineError
     from kvtier.daemon.server_handler import RequestHandler, Session
     from kvtier.daemon.server_stats import ServerStatsRecorder
@@ -92,7 +92,7 @@ def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
 
 
 def test_get_reply_blocks_land_in_the_connections_buffer(engine):
-    from kvtier.client import protocol as p
+    from kvtier.wire import connection as p
     from kvtier.daemon.server_handler import GET_ARENA_BYTES_MAX, RequestHandler, Session
     from kvtier.daemon.server_stats import ServerStatsRecorder
 
@@ -118,7 +118,7 @@ def test_get_reply_blocks_land_in_the_connections_buffer(engine):
 def test_get_reply_arenas_are_shared_within_one_daemon_wide_budget(engine):
     """Two arenas allowed: a third GET in flight takes the copying path, and
     an arena given back after its reply is sent is lent again, not added."""
-    from kvtier.client import protocol as p
+    from kvtier.wire import connection as p
     from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas
     from kvtier.daemon.server_handler import RequestHandler, Session
     from kvtier.daemon.server_stats import ServerStatsRecorder
@@ -197,7 +197,7 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
     import threading
 
     from kvtier.client import RemoteError
-    from kvtier.client import protocol as p
+    from kvtier.wire import connection as p
     from kvtier.daemon.server_arenas import ReplyArenas
 
     arenas = ReplyArenas(budget_bytes=0, transient_budget_bytes=5 << 19, transient_wait_s=30.0)
@@ -235,7 +235,7 @@ def test_the_copying_path_reads_what_one_arena_holds_and_reserves_once(engine):
     """With every arena lent, a GET is read as bytes a reply's worth at a time (not 64 blocks
     to send 4); a block larger than an arena whose read fails over to the copying path gives
     its first reservation back before the second is made."""
-    from kvtier.client import protocol as p
+    from kvtier.wire import connection as p
     from kvtier.daemon.engine import EngineError
     from kvtier.daemon.server_arenas import ReplyArenas
     from kvtier.daemon.server_handler import RequestHandler, Session

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.stripe import StripeGeometry
 from kvtier.daemon.engine.devices import (ALIGNMENT_BYTES, DeviceError, FaultyDevice, FileDevice, MemoryDevice,
                                           aligned_buffer)
 from kvtier.daemon.engine.raid0 import StripedArray

@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from kvtier.client.blockformat import encode_block, stamp_sequence
+from kvtier.common.blockformat import encode_block, stamp_sequence
 from kvtier.client.direct_reader import (ALIGNMENT_BYTES, DirectLocation, DirectReader, choose_backend,
                                          kvikio_available, libcuda_available)
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.stripe import StripeGeometry
 
 STRIPE = 64 * 1024
 DATA_OFFSET = 4096

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.client.blockformat import BlockFormatError, decode_header, encode_block
+from kvtier.common.blockformat import BlockFormatError, decode_header, encode_block
 from kvtier.daemon.engine import (BlockLocation, Engine, EngineConfig, EngineError, EngineStatistics,
                                   NoSpaceError)
 from kvtier.daemon.engine.devices import MemoryDevice

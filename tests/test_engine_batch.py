@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, encode_block, verify_block
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, encode_block, verify_block
 from kvtier.daemon.engine import BlockLocation, EngineError
 from kvtier.daemon.engine.config import LOCATION_DTYPE
 from kvtier.daemon.engine.devices import aligned_buffer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.client.blockformat import HEADER_SIZE
+from kvtier.common.blockformat import HEADER_SIZE
 from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.daemon.engine.devices import MemoryDevice
 from kvtier.daemon.engine.reinsertion import HitsReinsertion, NoReinsertion, make_reinsertion

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtier.client.hot_pool import HotPool, HotPoolIndex
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 
 
 def k(i: int) -> bytes:

@@ -4,7 +4,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.client.keys import KEY_SIZE_BYTES, KVLayout, Namespace, chain_keys
+from kvtier.common.keys import KEY_SIZE_BYTES, KVLayout, Namespace, chain_keys
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
 NS = Namespace("llama-test", LAYOUT, codec="raw")
@@ -50,7 +50,7 @@ def test_every_namespace_field_changes_every_key(change):
 
 def test_keys_are_deterministic_across_processes():
     code = (
-        "from kvtier.client.keys import KVLayout, Namespace;"
+        "from kvtier.common.keys import KVLayout, Namespace;"
         "ns = Namespace('llama-test', KVLayout(4, 2, 8, 'float16', 16), codec='raw');"
         "print(','.join(k.hex() for k in ns.keys(range(64))))"
     )

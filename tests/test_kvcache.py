@@ -14,7 +14,7 @@ import torch
 
 from daemon_proc import start_kvtierd
 from kvtier.client import BlockClient
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 from kvtier.client.kvcache import KVCache
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8)
@@ -171,7 +171,7 @@ def test_prefetch_and_async_twins(daemon):
 
 SECOND_PROCESS = textwrap.dedent("""
     import json, sys, hashlib
-    from kvtier.client.keys import KVLayout, Namespace
+    from kvtier.common.keys import KVLayout, Namespace
     from kvtier.client.kvcache import KVCache
     addr, model, salts, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     layout = KVLayout(**json.loads(sys.argv[5]))

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from daemon_proc import device_map_of, start_kvtierd
-from kvtier.client.blockformat import encode_block
+from kvtier.common.blockformat import encode_block
 from kvtier.client.direct_reader import DirectLocation, DirectReader
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 from kvtier.client.kvcache import KVCache
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)

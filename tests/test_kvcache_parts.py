@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtier.client.block_payload import blocks_from_kv, check_kv, kv_from_blocks
-from kvtier.client.keys import KVLayout
+from kvtier.common.keys import KVLayout
 from kvtier.client.tier_stats import LATENCY_SAMPLES_MAX, TierRecorder
 
 

@@ -326,7 +326,7 @@ def test_bw_series_folds_a_short_last_window():
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_block_maker_reuses_buffers_and_matches_encode_block(verify):
-    from kvtier.client.blockformat import encode_block, verify_block
+    from kvtier.common.blockformat import encode_block, verify_block
     from kvtier.tools.kvperf.content import BlockMaker, block_key, payload_for
 
     maker = BlockMaker("ks", "opaque", 4096 + 3, verify)
@@ -341,7 +341,7 @@ def test_block_maker_reuses_buffers_and_matches_encode_block(verify):
 
 
 def test_verify_content_follows_the_key():
-    from kvtier.client.blockformat import encode_block
+    from kvtier.common.blockformat import encode_block
     from kvtier.tools.kvperf.content import BlockMaker, block_key, check_block, payload_for
 
     size = 1 << 16

@@ -13,8 +13,8 @@ from daemon_proc import start_kvtierd
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import BlockClient
-from kvtier.client.blockformat import encode_block
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.blockformat import encode_block
+from kvtier.common.keys import KVLayout, Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 NS = Namespace("metrics-model", KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=2))

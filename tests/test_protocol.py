@@ -4,10 +4,10 @@ import struct
 
 import pytest
 
-from kvtier.client import protocol as p
-from kvtier.client import protocol_frames as f
-from kvtier.client.blockformat import encode_block
-from kvtier.client.protocol_messages import TOKEN_BYTES_MAX
+from kvtier.wire import connection as p
+from kvtier.wire import frames as f
+from kvtier.common.blockformat import encode_block
+from kvtier.wire.events import TOKEN_BYTES_MAX
 
 K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
 NS = b"\x09" * 16

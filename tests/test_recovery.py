@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvtier.client.blockformat import HEADER_SIZE
+from kvtier.common.blockformat import HEADER_SIZE
 from kvtier.daemon.engine import DeviceError, Engine, EngineConfig, GeometryError
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
 from kvtier.daemon.engine.fsck import check_store

@@ -1,6 +1,6 @@
 import pytest
 
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.stripe import StripeGeometry
 
 MiB = 1 << 20
 GEO = StripeGeometry(("a", "b", "c", "d"), MiB, 4 * MiB, 16 * MiB)

@@ -16,7 +16,7 @@ import pytest
 from daemon_proc import start_kvtierd
 
 from kvtier.client import BlockClient, ClientError, RemoteError
-from kvtier.client.blockformat import encode_block, payload_of
+from kvtier.common.blockformat import encode_block, payload_of
 
 from test_systemd import UNIT, unit_settings
 

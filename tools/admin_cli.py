@@ -31,7 +31,7 @@ import json
 import os
 import sys
 
-from kvtier.client.blockformat import BlockFormatError, encode_block, payload_of, verify_block
+from kvtier.common.blockformat import BlockFormatError, encode_block, payload_of, verify_block
 from kvtier.daemon.engine.errors import EngineError
 from kvtier.daemon.config import ConfigError, DaemonConfig, load_toml, parse_size
 from kvtier.daemon.state import read_token

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ..keys import KEY_SIZE_BYTES, Namespace
+from kvtier.common.keys import KEY_SIZE_BYTES, Namespace
 
 _PAGE_PERSON = b"kvtier-page-v1"
 PAGE_KEY_CHARS_MAX = 4096  # SGLang page hashes are 64 hex chars; refuse anything absurd

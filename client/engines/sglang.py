@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvtier.client import ClientError
 from kvtier.client.engines._engine_keys import page_key, shard_namespace
 from kvtier.client.engines._sglang_pages import HostPages
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 from kvtier.client.kvcache import KVCache
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 
 TRANSFORMERS_MIN = (5, 0)
 TRANSFORMERS_BELOW = (6, 0)

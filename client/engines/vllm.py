@@ -49,7 +49,7 @@ from kvtier.client import ClientError
 from kvtier.client.engines._engine_keys import request_namespace, shard_namespace
 from kvtier.client.engines._vllm_paged import PagedGeometry, paged_layout, paged_view
 from kvtier.client.engines._vllm_plan import STORE_POLICIES, BlockOp, RequestState, load_op, save_op
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 from kvtier.client.kvcache import KVCache
 from kvtier.kernels.paged import gather_blocks, scatter_blocks
 

@@ -4,7 +4,7 @@ striped O_DIRECT array (after CacheLib Navy's block cache).
 Modules, one job each:
 
 * :mod:`.devices`     file / block / memory / fault-injecting devices
-* :mod:`.raid0`       striping (``kvtier.client.stripe``) and parallel device I/O
+* :mod:`.raid0`       striping (``kvtier.common.stripe``) and parallel device I/O
 * :mod:`.buffers`     pool of aligned read buffers
 * :mod:`.reader`      verified block reads
 * :mod:`.superblock`  per-device identity and geometry (format)

@@ -34,8 +34,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
+from kvtier.common.stripe import StripeGeometry
 
 from . import regionfmt as fmt
 from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.client.blockformat import BlockFormatError, verify_block
+from kvtier.common.blockformat import BlockFormatError, verify_block
 
 from . import regionfmt as fmt
 from .config import EngineConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.client.blockformat import HEADER_SIZE, stamp_sequence
+from kvtier.common.blockformat import HEADER_SIZE, stamp_sequence
 
 from . import regionfmt as fmt
 from .buffers import copy_bytes

@@ -1,6 +1,6 @@
 """RAID0 over devices: logical ranges -> per-device vectored I/O, in parallel.
 
-The address mapping is :class:`kvtier.client.stripe.StripeGeometry` (shared
+The address mapping is :class:`kvtier.common.stripe.StripeGeometry` (shared
 with the client's direct reader); this module only groups its pieces by
 device, merges the ones that are contiguous on a device into one iovec list,
 and runs each device's share on a thread pool so devices work in parallel::
@@ -13,7 +13,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.stripe import StripeGeometry
 
 from .devices import ALIGNMENT_BYTES, Device
 from .errors import DeviceError

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Sequence
 
-from kvtier.client.blockformat import BlockFormatError, verify_block
+from kvtier.common.blockformat import BlockFormatError, verify_block
 
 from .buffers import BufferPool, copy_bytes
 from .devices import align_down, align_up, is_aligned

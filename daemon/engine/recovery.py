@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.client.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
 
 from . import regionfmt as fmt
 from .devices import ALIGNMENT_BYTES, aligned_buffer, align_down

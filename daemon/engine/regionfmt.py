@@ -7,7 +7,7 @@
     | region header page |   magic KVRH, generation, region index, base_seq, CRC
     +--------------------+ REGION_HEADER_BYTES
     | block | block | ...|   blocks back to back, each a self-describing
-    |                    |   kvtier.client.blockformat block (header + payload)
+    |                    |   kvtier.common.blockformat block (header + payload)
     |        free        |
     +--------------------+ region_size - TRAILER_BYTES - n * ENTRY_BYTES
     | summary entries    |   n x 64 bytes (SUMMARY_DTYPE), entry 0 last: they grow down

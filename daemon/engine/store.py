@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.client.stripe import StripeGeometry
+from kvtier.common.stripe import StripeGeometry
 
 from .config import EngineConfig
 from .devices import Device, FileDevice, aligned_buffer

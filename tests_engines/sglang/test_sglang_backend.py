@@ -22,7 +22,7 @@ from sglang_env import (
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.client import BlockClient
-from kvtier.client.blockformat import encode_block
+from kvtier.common.blockformat import encode_block
 from kvtier.client.engines.sglang import KVTierHiCacheStorage
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")

@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.client.engines._engine_keys import page_key, request_namespace, shard_namespace
 from kvtier.client.engines._vllm_plan import RequestState, load_op, save_op
-from kvtier.client.keys import KVLayout, Namespace
+from kvtier.common.keys import KVLayout, Namespace
 
 B = 4
 BASE = Namespace("m", KVLayout(2, 2, 8, "float16", B), "raw", "tenant-a")

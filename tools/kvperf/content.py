@@ -21,7 +21,7 @@ import struct
 import crc32c
 import numpy as np
 
-from kvtier.client.blockformat import (_CRC_COVERED, _HEADER, FORMAT_VERSION, HEADER_SIZE, MAGIC, BlockFormatError,
+from kvtier.common.blockformat import (_CRC_COVERED, _HEADER, FORMAT_VERSION, HEADER_SIZE, MAGIC, BlockFormatError,
                                        payload_of, verify_block)
 from kvtier.kernels.codec_ids import OPAQUE_CODEC_ID, codec_id
 

@@ -12,7 +12,7 @@ import multiprocessing
 import queue as queue_mod
 import traceback
 
-from kvtier.client.protocol_messages import ClientError
+from kvtier.wire.events import ClientError
 
 from .blockjob import Progress, run_block_clone
 from .options import JobOptions

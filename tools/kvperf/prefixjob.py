@@ -3,7 +3,7 @@
 For each prompt (synthetic or replayed, see :mod:`.trace`), as an engine
 would::
 
-    keys = chained block keys of the prompt        (kvtier.client.keys)
+    keys = chained block keys of the prompt        (kvtier.common.keys)
     n    = LOOKUP(keys)                            -> the lookup section
     GET keys[:n], verify                           -> the read section (hits)
     PUT keys[n:]                                   -> the write section (what was recomputed)
@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 
-from kvtier.client.keys import chain_keys
+from kvtier.common.keys import chain_keys
 
 from .blockio import read_blocks, write_blocks
 from .blockjob import Clock, Progress

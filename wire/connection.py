@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import enum
 
-from kvtier.client import protocol_frames as f
-from kvtier.client.protocol_frames import PackedKeys  # noqa: F401  (re-exported)
-from kvtier.client.protocol_messages import (  # noqa: F401  (re-exported)
+from kvtier.wire import frames as f
+from kvtier.wire.frames import PackedKeys  # noqa: F401  (re-exported)
+from kvtier.wire.events import (  # noqa: F401  (re-exported)
     BATCH_COUNT_MAX, DEFAULT_LIMITS, FEATURE_GET_READER_VERIFIES, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX,
     PAYLOAD_BYTES_MAX,
     PROTOCOL_VERSION, REPLY_BIT, REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply,

@@ -1,8 +1,8 @@
 """Data-protocol vocabulary: ops, error codes, limits, messages, exceptions.
 
 Pure: no I/O. Every message is a frozen dataclass; the framing lives in
-:mod:`kvtier.client.protocol_frames` and the state machine in
-:mod:`kvtier.client.protocol`. ``docs/protocol.md`` describes the bytes.
+:mod:`kvtier.wire.frames` and the state machine in
+:mod:`kvtier.wire.connection`. ``docs/protocol.md`` describes the bytes.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 PROTOCOL_VERSION = 1
-KEY_SIZE = 16  # block keys and namespace ids (kvtier.client.keys.KEY_SIZE_BYTES)
+KEY_SIZE = 16  # block keys and namespace ids (kvtier.common.keys.KEY_SIZE_BYTES)
 
 # -- limits (each checked before anything is allocated) ---------------------
 BATCH_COUNT_MAX = 16384  # keys per frame: a 256k-token chain at 16 tokens per block

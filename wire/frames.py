@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier.client import protocol_messages as m
-from kvtier.client.protocol_messages import ErrorCode, Limits, Op, ProtocolError
+from kvtier.wire import events as m
+from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
 
 MAGIC = b"KVTP"
 FRAME_HEADER = struct.Struct("<4sBBHQIIIHH")

@@ -1,0 +1,45 @@
+"""The only socket code of the data protocol, shared by the blocking client and the daemon.
+
+Writes are gathered: every buffer goes out with ``sendmsg`` (header and payload
+views, no joining copy). Reads feed a sans-IO :class:`~kvtier.wire.connection.Connection`:
+a pending payload is received straight into its buffer (``recv_into``), everything
+else in chunks for the parser."""
+from __future__ import annotations
+
+import socket
+
+SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
+
+
+def sendmsg_all(sock: socket.socket, parts) -> int:
+    """Write every buffer of ``parts`` in order; the bytes sent (all of them, unless it raises)."""
+    views = [v for v in (memoryview(b).cast("B") for b in parts) if v.nbytes]
+    total, i = 0, 0
+    while i < len(views):
+        n = sock.sendmsg(views[i:i + SENDMSG_IOV_MAX])
+        total += n
+        while n:
+            if n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+    return total
+
+
+RECV_CHUNK_BYTES = 64 << 10  # frame headers and small frames (payloads land in their buffer); under
+# glibc's mmap threshold: a 256 KiB recv() costs an mmap + munmap per call (~20 us)
+
+
+def receive_some(sock: socket.socket, conn) -> None:
+    """One blocking receive into ``conn``; the end of the stream is fed to it as ``b""``."""
+    view = conn.payload_view()
+    if view is None:
+        conn.receive_data(sock.recv(RECV_CHUNK_BYTES))
+        return
+    n = sock.recv_into(view)
+    if n:
+        conn.payload_received(n)
+    else:
+        conn.receive_data(b"")
