@@ -30,15 +30,14 @@ import numpy as np
 
 from kvtier.wire import connection as p
 from kvtier.client import protocol_ops as ops
-from kvtier.wire.sockets import sendmsg_all
-from kvtier.wire.sockets import receive_some
+from kvtier.wire.sockets import receive_some, sendmsg_all
+from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
 from kvtier.common.stripe import StripeGeometry
 
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
 REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)
 PIPELINE_FRAMES_MAX = 8  # frames in flight per connection: bounds buffering on both sides
 ZERO_COPY = object()  # `into` marker: receive each reply into a buffer of its own and keep views
-DEFAULT_PORT = 7410
 
 
 # Where a block lives in the daemon's logical space (see ``geometry()``): the
@@ -55,13 +54,6 @@ class ClientStatistics:
     corrupt_blocks: int
     bytes_sent: int
     bytes_received: int
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep:
-        return address, DEFAULT_PORT
-    return host.strip("[]"), int(port)
 
 
 def geometry_from_info(info) -> StripeGeometry:
@@ -100,7 +92,7 @@ class ClientBase:
     def __init__(self, address: str, token: str | None, pool_size: int, timeout_s: float, client_name: str):
         if pool_size < 1:
             raise ValueError(f"pool_size must be at least 1, got {pool_size}")
-        self._host, self._port = parse_address(address)
+        self._host, self._port = parse_address(address, what="daemon address", default_port=DATA_PORT_DEFAULT)
         self._token, self._timeout_s, self._name = token, timeout_s, client_name
         self._info: dict | None = None
         self._closed = False

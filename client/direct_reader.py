@@ -24,17 +24,16 @@ even in compat mode, so it is only offered where the driver loads).
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer, align_down, align_up
 from kvtier.common.blockformat import BlockFormatError, verify_block
 from kvtier.common.stripe import StripeGeometry
 
-ALIGNMENT_BYTES = 4096  # O_DIRECT needs logical-block alignment; 4 KiB covers 4Kn and 512e drives
 COALESCE_GAP_BYTES_MAX = 256 * 1024  # reading a gap this small beats another syscall per block
 READ_RANGE_BYTES_MAX = 16 * 1024 * 1024  # bounds one buffer; larger batches are split
 DEVICES_MAX = 64  # one fd and one reader thread per device
@@ -88,11 +87,6 @@ def choose_backend(requested: str = "auto") -> str:
     if requested == "auto":
         return "kvikio" if kvikio_available() else "posix"
     return requested
-
-
-def _aligned_buffer(size_bytes: int) -> mmap.mmap:
-    """Page-aligned (anonymous mmap) buffer, as O_DIRECT requires."""
-    return mmap.mmap(-1, max(size_bytes, ALIGNMENT_BYTES))
 
 
 @dataclass(frozen=True)
@@ -152,7 +146,7 @@ class DirectReader:
             raise ValueError(f"{len(keys)} keys but {len(locations)} locations")
         results: list[memoryview | None] = [None] * len(keys)
         spans = self._plan(locations)
-        buffers = [_aligned_buffer(s.end - s.start) for s in spans]
+        buffers = [aligned_buffer(s.end - s.start) for s in spans]
         self._read_spans(spans, buffers)
         failures = 0
         for span, buf in zip(spans, buffers):
@@ -184,8 +178,8 @@ class DirectReader:
             loc = locations[i]
             if loc.length <= 0 or loc.logical_offset < 0 or loc.logical_offset + loc.length > limit:
                 raise ValueError(f"block location {loc} is outside the daemon's {limit}-byte logical space")
-            start = loc.logical_offset // ALIGNMENT_BYTES * ALIGNMENT_BYTES
-            end = -(-(loc.logical_offset + loc.length) // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+            start = align_down(loc.logical_offset)
+            end = align_up(loc.logical_offset + loc.length)
             if members and start - cur_end <= COALESCE_GAP_BYTES_MAX and max(end, cur_end) - cur_start <= READ_RANGE_BYTES_MAX:
                 cur_end = max(cur_end, end)
                 members.append(i)
@@ -197,7 +191,7 @@ class DirectReader:
             spans.append(_Span(cur_start, cur_end, tuple(members)))
         return spans
 
-    def _read_spans(self, spans: Sequence[_Span], buffers: Sequence[mmap.mmap]) -> None:
+    def _read_spans(self, spans: Sequence[_Span], buffers: Sequence[memoryview]) -> None:
         per_device: dict[int, list[tuple[int, memoryview]]] = {}
         for span, buf in zip(spans, buffers):
             view = memoryview(buf)

@@ -12,6 +12,8 @@ import dataclasses
 import time
 from typing import Any
 
+from kvtier.common.addresses import format_address
+
 
 def _as_dict(obj: Any) -> dict:
     """A statistics snapshot (frozen dataclass, mapping, or None) as a plain dict."""
@@ -59,10 +61,7 @@ class AdminStateView:
     def addresses(self) -> dict:
         """The bound ``HOST:PORT`` of the data port and the admin API (None before binding)."""
         def fmt(addr):
-            if addr is None:
-                return None
-            host, port = addr[0], addr[1]
-            return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            return None if addr is None else format_address(*addr[:2])
         return {"data": fmt(self._state.data_address), "admin": fmt(self._state.admin_address)}
 
     def engine_statistics(self) -> dict:

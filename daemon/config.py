@@ -27,6 +27,8 @@ import os
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 
+from kvtier.common.addresses import AddressError, parse_address
+
 EMBEDDED_DEVICE_COUNT = 4  # the embedded default: 4 file-backed devices, RAID0
 EMBEDDED_DEVICE_SIZE_BYTES = 1 << 30  # 1 GiB each: room to try kvtier without a disk to spare
 MAX_CONNECTIONS_LIMIT = 65536  # one thread per connection: beyond this, use more daemons
@@ -59,19 +61,12 @@ def parse_size(text, name: str = "size") -> int:
     return value
 
 
-def parse_address(text: str, name: str) -> tuple[str, int]:
-    """``"127.0.0.1:7410"`` or ``"[::1]:0"`` -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{name}: {text!r} is not HOST:PORT")
-    host = host.strip("[]")
+def parse_listen_address(text: str, name: str) -> tuple[str, int]:
+    """``"127.0.0.1:7410"`` or ``"[::1]:0"`` -> (host, port); ConfigError names the setting."""
     try:
-        port_n = int(port)
-    except ValueError:
-        raise ConfigError(f"{name}: port {port!r} is not a number") from None
-    if not 0 <= port_n <= 65535:
-        raise ConfigError(f"{name}: port {port_n} is out of range 0..65535")
-    return host, port_n
+        return parse_address(text, what=name)
+    except AddressError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -115,7 +110,7 @@ class DaemonConfig:
             raise ConfigError(f"frame_timeout: must be positive, got {self.frame_timeout_s}")
         host, _ = self.listen_address
         if self.admin != "none":
-            parse_address(self.admin, "admin")
+            parse_listen_address(self.admin, "admin")
         if self.token_file is None and not is_loopback(host):
             raise ConfigError(f"listen: refusing to bind non-loopback address {host!r} without token_file")
         if self.admin != "none" and self.token_file is None and not is_loopback(self.admin_address[0]):
@@ -123,11 +118,11 @@ class DaemonConfig:
 
     @property
     def listen_address(self) -> tuple[str, int]:
-        return parse_address(self.listen, "listen")
+        return parse_listen_address(self.listen, "listen")
 
     @property
     def admin_address(self) -> tuple[str, int] | None:
-        return None if self.admin == "none" else parse_address(self.admin, "admin")
+        return None if self.admin == "none" else parse_listen_address(self.admin, "admin")
 
     @property
     def device_paths(self) -> tuple[str, ...]:

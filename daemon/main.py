@@ -15,6 +15,7 @@ import select
 import signal
 import sys
 
+from kvtier.common.addresses import format_address
 from kvtier.daemon.config import ConfigError, DaemonConfig, config_from_args, reload_log_level
 from kvtier.daemon.notify import Notifier
 from kvtier.daemon.state import DaemonState
@@ -24,11 +25,6 @@ log = logging.getLogger("kvtier.daemon")
 EXIT_CONFIG = 2  # bad flags or config: fix the command line
 EXIT_STARTUP = 1  # the store or a port could not be opened
 EXIT_UNCLEAN = 3  # stopped, but the open region could not be sealed (a device failed): unacknowledged puts lost
-
-
-def format_address(addr) -> str:
-    host, port = addr[0], addr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _setup_logging(level: str) -> None:
@@ -74,12 +70,12 @@ class Daemon:
             state.data_server = server
             state.data_address = server.start()
             self.state = state
-            line = f"kvtierd ready data={format_address(state.data_address)}"
+            line = f"kvtierd ready data={format_address(*state.data_address[:2])}"
             if self.cfg.admin_address is not None:
                 from kvtier.daemon.admin import AdminServer  # FastAPI/uvicorn only when asked for
                 self._admin = AdminServer(state, *self.cfg.admin_address)
                 state.admin_address = tuple(self._admin.start())
-                line += f" admin={format_address(state.admin_address)}"
+                line += f" admin={format_address(*state.admin_address[:2])}"
         except BaseException:
             if self.state is not None and self.state.data_server is not None:
                 self.state.data_server.stop()

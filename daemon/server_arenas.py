@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from kvtier.daemon.engine.devices import aligned_buffer
+from kvtier.common.aligned import aligned_buffer
 
 GET_ARENA_BYTES_MAX = (16 << 20) + (64 << 10)  # one arena: a GET reply or PUT payload of 8 blocks of 2 MiB
 # (each block read with its aligned range: up to 8 KiB more); a larger one gets a buffer of its own, freed

@@ -7,7 +7,6 @@ connection loop as anything but a logged internal error.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -17,7 +16,8 @@ import numpy as np
 from kvtier.wire import connection as p
 from kvtier.wire import frames as frames
 from kvtier.common.blockformat import BlockFormatError, decode_header
-from kvtier.daemon.engine.devices import ALIGNMENT_BYTES, aligned_buffer
+from kvtier.common.tokens import token_matches
+from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer
 from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas  # noqa: F401  (re-exported)
 
 log = logging.getLogger("kvtier.daemon.server")
@@ -122,7 +122,7 @@ class RequestHandler:
     def _hello(self, msg: p.Hello, session: Session, token):
         session.client_name = msg.client_name
         if token is not None:
-            if not hmac.compare_digest(msg.token.encode(), token.encode()):
+            if not token_matches(msg.token, token):
                 self._stats.error(p.ErrorCode.AUTH.name)
                 log.warning("event=auth_failed peer=%s client=%r", session.peer, msg.client_name)
                 reason = "missing token" if not msg.token else "wrong token"

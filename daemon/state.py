@@ -10,27 +10,15 @@ from __future__ import annotations
 import threading
 import time
 
+from kvtier.common.tokens import TokenFileError, read_token_file, token_matches
 from kvtier.daemon.config import ConfigError, DaemonConfig
 
-TOKEN_BYTES_MAX = 4096  # a token file is one secret line, not a document
-
-
 def read_token(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); ConfigError names the problem."""
+    """The token in ``path``; ConfigError names the problem."""
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(TOKEN_BYTES_MAX + 1)
-    except OSError as exc:
-        raise ConfigError(f"token_file {path}: {exc.strerror}") from None
-    if len(raw) > TOKEN_BYTES_MAX:
-        raise ConfigError(f"token_file {path}: longer than {TOKEN_BYTES_MAX} bytes")
-    try:
-        token = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise ConfigError(f"token_file {path}: not UTF-8 text") from None
-    if not token:
-        raise ConfigError(f"token_file {path}: empty")
-    return token
+        return read_token_file(path)
+    except TokenFileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class DaemonState:
@@ -65,9 +53,7 @@ class DaemonState:
 
     def check_token(self, presented: str | None) -> bool:
         """True when no token is configured or ``presented`` matches it."""
-        import hmac
-        token = self.token
-        return token is None or (presented is not None and hmac.compare_digest(presented.encode(), token.encode()))
+        return token_matches(presented, self.token)
 
     @property
     def ready(self) -> bool:

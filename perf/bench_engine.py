@@ -39,7 +39,7 @@ import numpy as np
 
 from kvtier.common.blockformat import HEADER_SIZE, encode_header
 from kvtier.daemon.engine import Engine, EngineConfig
-from kvtier.daemon.engine.devices import aligned_buffer
+from kvtier.common.aligned import aligned_buffer
 
 MiB = 1 << 20
 GiB = 1 << 30

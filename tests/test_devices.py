@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvtier.common.stripe import StripeGeometry
-from kvtier.daemon.engine.devices import (ALIGNMENT_BYTES, DeviceError, FaultyDevice, FileDevice, MemoryDevice,
-                                          aligned_buffer)
+from kvtier.daemon.engine.devices import DeviceError, FaultyDevice, FileDevice, MemoryDevice
+from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer
 from kvtier.daemon.engine.raid0 import StripedArray
 
 SIZE = 1 << 20
@@ -210,7 +210,7 @@ def test_striped_array_reports_the_failing_device():
 
 
 def test_huge_page_buffers_are_zeroed_aligned_and_writable():
-    from kvtier.daemon.engine.devices import HUGE_PAGE_BYTES, aligned_buffer, is_aligned
+    from kvtier.common.aligned import HUGE_PAGE_BYTES, aligned_buffer, is_aligned
     for size, populate in ((2 * HUGE_PAGE_BYTES, True), (HUGE_PAGE_BYTES + 4096, False), (8192, True)):
         buf = aligned_buffer(size, populate=populate, huge=True)
         assert buf.nbytes == size and is_aligned(buf) and not buf.readonly

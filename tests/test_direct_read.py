@@ -11,7 +11,8 @@ import os
 import pytest
 
 from kvtier.common.blockformat import encode_block, stamp_sequence
-from kvtier.client.direct_reader import (ALIGNMENT_BYTES, DirectLocation, DirectReader, choose_backend,
+from kvtier.common.aligned import ALIGNMENT_BYTES
+from kvtier.client.direct_reader import (DirectLocation, DirectReader, choose_backend,
                                          kvikio_available, libcuda_available)
 from kvtier.common.stripe import StripeGeometry
 

@@ -9,7 +9,7 @@ import pytest
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, encode_block, verify_block
 from kvtier.daemon.engine import BlockLocation, EngineError
 from kvtier.daemon.engine.config import LOCATION_DTYPE
-from kvtier.daemon.engine.devices import aligned_buffer
+from kvtier.common.aligned import aligned_buffer
 from kvtier.daemon.engine.index import PINNED_BIT
 
 from test_engine import NS, PAYLOAD_5_PER_REGION, block, fill, key, mem_engine, present, same_block

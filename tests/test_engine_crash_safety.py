@@ -262,7 +262,7 @@ def test_a_corrupt_pinned_block_is_dropped_at_reclaim():
 
 
 def test_a_summary_entry_outside_its_regions_seq_span_is_dropped_not_asserted():
-    from kvtier.daemon.engine.devices import aligned_buffer
+    from kvtier.common.aligned import aligned_buffer
     from kvtier.daemon.engine.recovery import read_region_entries, write_summary
 
     engine, cfg, devs = mem_engine(regions=4, devices=1)
@@ -582,7 +582,7 @@ def test_carried_tombstones_stay_in_their_regions_seq_span_across_a_clean_close(
 ], ids=["length 0", "length 2**32-1", "shorter than a header", "offset in the header page",
         "past the data area", "longer than the region", "unknown kind"])
 def test_a_summary_entry_outside_the_regions_data_area_is_dropped_not_asserted(field, value):
-    from kvtier.daemon.engine.devices import aligned_buffer
+    from kvtier.common.aligned import aligned_buffer
     from kvtier.daemon.engine.recovery import read_region_entries, scan_regions, write_summary
 
     engine, cfg, devs = mem_engine(regions=4, devices=1)

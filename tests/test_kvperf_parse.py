@@ -157,7 +157,7 @@ def test_inconsistent_options(options, message):
 
 def test_targets():
     t = parse_targets("tcp://127.0.0.1:7410, tcp://[::1]:7411")
-    assert [x.addr for x in t.tcp] == ["127.0.0.1:7410", "::1:7411"]
+    assert [x.addr for x in t.tcp] == ["127.0.0.1:7410", "[::1]:7411"]
     d = parse_targets("direct:dev0=/tmp/a,dev1=/tmp/b@tcp://127.0.0.1:1")
     assert d.direct.for_devices(("dev0", "dev1")) == {"dev0": "/tmp/a", "dev1": "/tmp/b"}
     p = parse_targets("direct:/tmp/a,/tmp/b@tcp://127.0.0.1:1")

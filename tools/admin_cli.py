@@ -34,7 +34,7 @@ import sys
 from kvtier.common.blockformat import BlockFormatError, encode_block, payload_of, verify_block
 from kvtier.daemon.engine.errors import EngineError
 from kvtier.daemon.config import ConfigError, DaemonConfig, load_toml, parse_size
-from kvtier.daemon.state import read_token
+from kvtier.common import tokens as auth_tokens
 from kvtier.kernels.codec_ids import OPAQUE_CODEC_ID, codec_id
 from kvtier.tools.admin_client import DEFAULT_ADMIN_ADDRESS, AdminClient, AdminError
 from kvtier.tools.admin_render import render_block_info, render_stats, render_status
@@ -61,10 +61,10 @@ def _config_settings(args) -> dict:
 
 
 def read_token_file(path: str) -> str:
-    """The token the daemon would read from ``path`` (same rules: kvtier.daemon.state.read_token)."""
+    """The token in ``path``, read as the daemon reads it."""
     try:
-        return read_token(path)
-    except ConfigError as exc:
+        return auth_tokens.read_token_file(path)
+    except auth_tokens.TokenFileError as exc:
         raise UsageError(str(exc)) from None
 
 

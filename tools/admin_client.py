@@ -16,8 +16,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from kvtier.common.addresses import ADMIN_PORT_DEFAULT, format_address, parse_address
+
 REQUEST_TIMEOUT_S = 30.0  # evicting a namespace on a large store can take a while
-DEFAULT_ADMIN_ADDRESS = "127.0.0.1:7411"
+DEFAULT_ADMIN_ADDRESS = format_address("127.0.0.1", ADMIN_PORT_DEFAULT)
 
 
 class AdminError(Exception):
@@ -33,13 +35,11 @@ class AdminError(Exception):
 class AdminClient:
     def __init__(self, address: str = DEFAULT_ADMIN_ADDRESS, token: str | None = None,
                  timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"admin address {address!r} is not HOST:PORT")
-        if host in ("0.0.0.0", "::", "[::]"):
+        host, port = parse_address(address, what="admin address")
+        if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"  # a wildcard bind is reachable on loopback
-        self.base_url = f"http://{host}:{port}"
-        self.address = f"{host}:{port}"
+        self.address = format_address(host, port)
+        self.base_url = f"http://{self.address}"
         self._token = token
         self._timeout_s = timeout_s
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any, List, Optional
 
 import torch
@@ -44,6 +43,7 @@ from kvtier.client import ClientError
 from kvtier.client.engines._engine_keys import page_key, shard_namespace
 from kvtier.client.engines._sglang_pages import HostPages
 from kvtier.common.keys import KVLayout, Namespace
+from kvtier.common.tokens import read_token_file
 from kvtier.client.kvcache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.addresses = [address] if isinstance(address, str) else list(address)
         self.token = extra.get("token")
         if self.token is None and extra.get("token_file"):
-            self.token = Path(extra["token_file"]).read_text().strip()
+            self.token = read_token_file(extra["token_file"])
         self.codec = str(extra.get("codec", "raw"))
         self.tenant = str(extra.get("tenant", ""))
         self.model = str(extra.get("model_id") or storage_config.model_name or "")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +49,7 @@ from kvtier.client.engines._engine_keys import request_namespace, shard_namespac
 from kvtier.client.engines._vllm_paged import PagedGeometry, paged_layout, paged_view
 from kvtier.client.engines._vllm_plan import STORE_POLICIES, BlockOp, RequestState, load_op, save_op
 from kvtier.common.keys import KVLayout, Namespace
+from kvtier.common.tokens import read_token_file
 from kvtier.client.kvcache import KVCache
 from kvtier.kernels.paged import gather_blocks, scatter_blocks
 
@@ -107,7 +107,7 @@ class KVTierSettings:
         token = get("token", None)
         token_file = get("token_file", None)
         if token is None and token_file:
-            token = Path(token_file).read_text().strip()
+            token = read_token_file(token_file)
         store = get("store", "prompt")
         if store not in STORE_POLICIES:
             raise ValueError(f"kvtier store must be one of {STORE_POLICIES}, got {store!r}")

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from .devices import aligned_buffer
+from kvtier.common.aligned import aligned_buffer
 
 POOL_BYTES_MAX = 64 << 20  # idle buffers kept: about 32 in-flight 2 MiB blocks
 _SMALL_CLASS_BYTES = 64 << 10  # sizes below 1 MiB round up to a power of two from here

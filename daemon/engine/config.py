@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .devices import ALIGNMENT_BYTES
+from kvtier.common.aligned import ALIGNMENT_BYTES
 from .eviction import EVICTION_POLICIES
 from .index import HITS_MAX
 from .superblock import DEVICE_COUNT_MAX

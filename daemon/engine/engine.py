@@ -40,7 +40,8 @@ from kvtier.common.stripe import StripeGeometry
 from . import regionfmt as fmt
 from .config import LOCATION_DTYPE, BlockLocation, EngineConfig, EngineStatistics
 from .buffers import copy_bytes
-from .devices import Device, aligned_buffer, align_down, align_up
+from .devices import Device
+from kvtier.common.aligned import aligned_buffer, align_down, align_up
 from .errors import BlockTooLargeError, DeviceError, EngineError, GeometryError, NoSpaceError
 from .index import PINNED_BIT, SEQ_DELTA_MAX, BlockIndex
 from .openregion import OpenRegion

@@ -17,7 +17,8 @@ from kvtier.common.blockformat import BlockFormatError, verify_block
 
 from . import regionfmt as fmt
 from .config import EngineConfig
-from .devices import Device, aligned_buffer
+from .devices import Device
+from kvtier.common.aligned import aligned_buffer
 from .raid0 import StripedArray
 from .recovery import scan_regions, write_summary
 from .store import open_devices, validate_store

@@ -17,7 +17,7 @@ from kvtier.common.blockformat import HEADER_SIZE, stamp_sequence
 
 from . import regionfmt as fmt
 from .buffers import copy_bytes
-from .devices import align_down, align_up
+from kvtier.common.aligned import align_down, align_up
 
 
 class OpenRegion:

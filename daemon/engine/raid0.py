@@ -15,7 +15,8 @@ from typing import Iterable, Sequence
 
 from kvtier.common.stripe import StripeGeometry
 
-from .devices import ALIGNMENT_BYTES, Device
+from .devices import Device
+from kvtier.common.aligned import ALIGNMENT_BYTES
 from .errors import DeviceError
 
 IOV_ENTRIES_MAX = 512  # below Linux IOV_MAX (1024); one preadv/pwritev per this many buffers

@@ -14,7 +14,7 @@ from typing import Sequence
 from kvtier.common.blockformat import BlockFormatError, verify_block
 
 from .buffers import BufferPool, copy_bytes
-from .devices import align_down, align_up, is_aligned
+from kvtier.common.aligned import align_down, align_up, is_aligned
 from .errors import DeviceError
 from .raid0 import StripedArray
 

@@ -31,7 +31,7 @@ import numpy as np
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
 
 from . import regionfmt as fmt
-from .devices import ALIGNMENT_BYTES, aligned_buffer, align_down
+from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer, align_down
 from .index import DELETED, SEQ_DELTA_MAX  # DELETED: the index's marker, never a block length
 from .raid0 import StripedArray
 

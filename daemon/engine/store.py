@@ -15,7 +15,8 @@ from typing import Sequence
 from kvtier.common.stripe import StripeGeometry
 
 from .config import EngineConfig
-from .devices import Device, FileDevice, aligned_buffer
+from .devices import Device, FileDevice
+from kvtier.common.aligned import aligned_buffer
 from .errors import DeviceError, GeometryError
 from .raid0 import StripedArray
 from .recovery import scan_regions

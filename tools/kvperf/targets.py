@@ -11,14 +11,14 @@
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from kvtier.common.addresses import AddressError, format_address, parse_address
+from kvtier.common.tokens import TokenFileError, read_token_file
 
 from .units import UsageError
 
 TARGETS_MAX = 64  # daemons one job spreads over
-TOKEN_FILE_BYTES_MAX = 4096  # a token is a line of text
-_HOSTPORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})$")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class TcpTarget:
 
     @property
     def addr(self) -> str:
-        return f"{self.host}:{self.port}"
+        return format_address(self.host, self.port)
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,13 @@ def _tcp(text: str) -> TcpTarget:
     body = text[len("tcp://"):] if text.startswith("tcp://") else None
     if body is None:
         raise UsageError(f"target {text!r}: expected tcp://HOST:PORT or direct:MAP@tcp://HOST:PORT")
-    m = _HOSTPORT_RE.match(body)
-    if not m:
-        raise UsageError(f"target {text!r}: expected tcp://HOST:PORT")
-    port = int(m.group(2))
-    if not 0 < port < 65536:
-        raise UsageError(f"target {text!r}: port {port} is out of range")
-    return TcpTarget(m.group(1).strip("[]"), port)
+    try:
+        host, port = parse_address(body, what=f"target {text!r}")
+    except AddressError as exc:
+        raise UsageError(f"{exc} (expected tcp://HOST:PORT)") from None
+    if port == 0:
+        raise UsageError(f"target {text!r}: port 0 is not a daemon's port")
+    return TcpTarget(host, port)
 
 
 def parse_targets(text: str) -> Targets:
@@ -95,16 +95,10 @@ def parse_targets(text: str) -> Targets:
 
 
 def read_token(path: str) -> str | None:
-    """The token in ``path`` (stripped), None for no path."""
+    """The token in ``path``, None for no path."""
     if not path:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read(TOKEN_FILE_BYTES_MAX + 1).strip()
-    except OSError as e:
-        raise UsageError(f"token_file {path}: {e.strerror}") from None
-    if not token:
-        raise UsageError(f"token_file {path} is empty")
-    if len(token) > TOKEN_FILE_BYTES_MAX:
-        raise UsageError(f"token_file {path} is over {TOKEN_FILE_BYTES_MAX} bytes")
-    return token
+        return read_token_file(path)
+    except TokenFileError as exc:
+        raise UsageError(str(exc)) from None
