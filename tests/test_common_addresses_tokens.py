@@ -23,7 +23,7 @@ def test_default_port(text, default, expected):
 
 @pytest.mark.parametrize("text, words", [
     ("host", "is not HOST:PORT"), (":5", "has no host"), ("h:x", "is not a number"),
-    ("h:70000", "out of range"), ("[::1]x", "is not HOST:PORT"), ("", "is not HOST:PORT"),
+    ("h:70000", "out of range"), ("[::1]x", "is not HOST:PORT"), ("", "has no host"),
 ])
 def test_bad_addresses_name_the_setting(text, words):
     with pytest.raises(AddressError, match=words) as err:
