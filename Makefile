@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DATA_DIR ?= ./data
 
-.PHONY: run test test-engines perf clean-venv
+.PHONY: run test lint test-engines perf clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ run: $(VENV)/.run-deps
 
 test: $(VENV)/.test-deps
 	$(PY) -m pytest -q
+
+# the dependency rule (common <- wire <- client, daemon; kernels <- client), import-linter's contracts
+lint: $(VENV)/.test-deps
+	$(VENV)/bin/lint-imports --no-logo
 
 # the vLLM and SGLang connectors against the real frameworks, each in its own venv
 test-engines:

@@ -6,7 +6,7 @@
     0      4    magic          b"KVTB"
     4      2    version        FORMAT_VERSION
     6      2    header_size    HEADER_SIZE (64)
-    8      2    codec_id       kvtier.kernels.codec_ids
+    8      2    codec_id       kvtier.common.codec_ids
     10     2    flags          reserved, 0
     12     16   key            chained block key
     28     16   ns_id          namespace id

@@ -13,7 +13,7 @@ from kvtier.common.blockformat import BlockFormatError, verify_block
 from kvtier.daemon.admin_errors import error_response
 from kvtier.daemon.admin_models import EvictRequest, KeySelection, key_from_hex
 from kvtier.daemon.admin_state import AdminStateView
-from kvtier.kernels.codec_ids import codec_name
+from kvtier.common.codec_ids import codec_name
 
 BLOCK_UPLOAD_BYTES_MAX = 1 << 30  # a block must fit one region; regions are at most this big
 

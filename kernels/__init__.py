@@ -5,16 +5,17 @@
     payload = codec.encode(kv_block)     # bytes; the block header carries codec.codec_id
     codec.decode(payload, out)           # fills out (same dtype and shape), returns it
 
-Heavy imports (torch, cupy) stay lazy: a storage node imports only codec_ids.
+Heavy imports (torch, cupy) stay lazy. The codec ids the block header carries are
+part of the block format: :mod:`kvtier.common.codec_ids`.
 """
 from __future__ import annotations
 
 import importlib
 
-from .codec_ids import codec_id, codec_name
+from kvtier.common.codec_ids import codec_id, codec_name
 
-# name -> submodule; loaded on first use so that `import kvtier.kernels.codec_ids`
-# (all the daemon needs) does not pull in numpy kernels, numba or ml_dtypes.
+# name -> submodule, loaded on first use: importing the package pulls in no kernels,
+# numba or ml_dtypes.
 _LAZY = {
     "MixedCodec": "mixed",
     "MixedPrecisionPolicy": "mixed",

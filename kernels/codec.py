@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import codec_ids, quant_numba
+from kvtier.common import codec_ids
+
+from . import quant_numba
 from .arrays import DTYPES_BY_CODE, dtype_code, host_view, is_device_array
 from .payload import PayloadHeader, unpack_header
 from .quant_ref import (QUANT_KINDS, QuantKind, dequantize_into, num_groups, quantize_into, scale_dtype_for,

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import codec_ids
+from kvtier.common import codec_ids
 
 MAGIC = b"KVZ1"
 _FRAME = struct.Struct("<4sB3xQ")

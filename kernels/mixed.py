@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from . import codec_ids
+from kvtier.common import codec_ids
 from .codec import DEFAULT_GROUP_TOKENS, QuantCodec, RawCodec
 
 MAGIC = b"KVM1"

@@ -6,7 +6,7 @@ Every codec payload starts with this little-endian header, then its sections
     offset size field
     0      4    magic b"KVC1"
     4      1    version (1)
-    5      1    base codec id (low byte of kvtier.kernels.codec_ids)
+    5      1    base codec id (low byte of kvtier.common.codec_ids)
     6      1    dtype code of the original array (1 fp16, 2 bf16, 3 fp32)
     7      1    ndim
     8      4    group_tokens (tokens per scale group; 0 for raw)

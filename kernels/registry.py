@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import codec_ids
+from kvtier.common import codec_ids
 from .codec import DEFAULT_GROUP_TOKENS, QuantCodec, RawCodec
 from .lz4stage import Lz4Codec
 from .mixed import MixedCodec, MixedPrecisionPolicy

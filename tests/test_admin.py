@@ -15,7 +15,7 @@ from kvtier.client import BlockClient
 from kvtier.common.blockformat import HEADER_SIZE, encode_block, payload_of, verify_block
 from kvtier.common.keys import KVLayout, Namespace
 from kvtier.daemon.admin_models import KEYS_PER_REQUEST_MAX
-from kvtier.kernels.codec_ids import codec_id
+from kvtier.common.codec_ids import codec_id
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 NS = Namespace("test-model", LAYOUT, "raw")

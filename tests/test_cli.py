@@ -15,7 +15,7 @@ from kvtier.client import BlockClient
 from kvtier.common.blockformat import HEADER_SIZE, encode_block, payload_of
 from kvtier.common.keys import KVLayout, Namespace
 from kvtier.daemon.engine import Engine, EngineConfig
-from kvtier.kernels.codec_ids import codec_id
+from kvtier.common.codec_ids import codec_id
 from kvtier.tools.admin_cli import main
 
 TOKEN = "cli-test-token"

@@ -99,7 +99,7 @@ def test_the_daemon_side_imports_stay_light():
     """A storage node installs no GPU stack: the daemon's modules and the codec
     id table must import without torch, numba or the codec kernels."""
     code = (
-        "import sys, kvtier.daemon.main, kvtier.daemon.server, kvtier.daemon.engine, kvtier.kernels.codec_ids;"
+        "import sys, kvtier.daemon.main, kvtier.daemon.server, kvtier.daemon.engine, kvtier.common.codec_ids;"
         "heavy = [m for m in ('torch', 'numba', 'cupy', 'transformers', 'kvtier.kernels.codec') if m in sys.modules];"
         "print(','.join(heavy))"
     )

@@ -35,7 +35,7 @@ from kvtier.common.blockformat import BlockFormatError, encode_block, payload_of
 from kvtier.daemon.engine.errors import EngineError
 from kvtier.daemon.config import ConfigError, DaemonConfig, load_toml, parse_size
 from kvtier.common import tokens as auth_tokens
-from kvtier.kernels.codec_ids import OPAQUE_CODEC_ID, codec_id
+from kvtier.common.codec_ids import OPAQUE_CODEC_ID, codec_id
 from kvtier.tools.admin_client import DEFAULT_ADMIN_ADDRESS, AdminClient, AdminError
 from kvtier.tools.admin_render import render_block_info, render_stats, render_status
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.common.blockformat import (_CRC_COVERED, _HEADER, FORMAT_VERSION, HEADER_SIZE, MAGIC, BlockFormatError,
                                        payload_of, verify_block)
-from kvtier.kernels.codec_ids import OPAQUE_CODEC_ID, codec_id
+from kvtier.common.codec_ids import OPAQUE_CODEC_ID, codec_id
 
 _KEY_PERSON = b"kvperf-key-v2"  # v2: content is key + pool slice (v1 blocks are not v2 keys)
 _DATA_PERSON = b"kvperf-data-v2"

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from kvtier.kernels.codec_ids import codec_id
+from kvtier.common.codec_ids import codec_id
 
 from .ioengines import IOENGINES
 from .jobfile import RawJob

@@ -1,4 +1,4 @@
-"""Codec ids carried in the block header (dependency-free, shared with the daemon).
+"""Codec ids carried in the block header (part of the block format, so shared with the daemon).
 
 The low byte names the base codec; ``LZ4_FLAG`` marks an lz4 stage after it.
 Ids are part of the on-disk format: never renumber, only add.
