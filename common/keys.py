@@ -17,6 +17,8 @@ no per-process seed, so every process on every machine computes the same keys.
 """
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -111,8 +113,9 @@ class Namespace:
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @functools.cached_property
     def id(self) -> bytes:
+        """The digest of :meth:`canonical`, computed once per namespace object."""
         return hashlib.blake2b(self.canonical(), digest_size=KEY_SIZE_BYTES, person=_NS_PERSON).digest()
 
     def with_extra(self, **extra: str) -> "Namespace":
@@ -123,6 +126,10 @@ class Namespace:
 
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
         return chain_keys(self.id, tokens, self.layout.block_tokens)
+
+    def key_chain(self) -> "KeyChain":
+        """An empty :class:`KeyChain` of this namespace, for a sequence that grows."""
+        return KeyChain(self.id, self.layout.block_tokens)
 
 
 class _FrozenMapping(dict):
@@ -139,6 +146,13 @@ class _FrozenMapping(dict):
 
 def tokens_as_uint32(tokens: Sequence[int] | np.ndarray | Iterable[int]) -> np.ndarray:
     """Tokens as a little-endian uint32 array; ValueError for ids out of range."""
+    if isinstance(tokens, (list, tuple)):
+        try:
+            return np.frombuffer(array.array("I", tokens), dtype="<u4")  # one C pass; range checked by array
+        except OverflowError:
+            raise ValueError("token ids must lie in [0, 2**32)") from None
+        except TypeError:
+            pass  # not plain ints (numpy scalars, floats): the checks below name the problem
     arr = np.asarray(tokens if not isinstance(tokens, (map, filter)) else list(tokens))
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
@@ -149,19 +163,58 @@ def tokens_as_uint32(tokens: Sequence[int] | np.ndarray | Iterable[int]) -> np.n
     return arr.astype("<u4", copy=False)
 
 
-def chain_keys(ns_id: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes]:
-    """The chained key of every full block of ``tokens`` (a partial tail gets none)."""
+def _check_chain(ns_id: bytes, block_tokens: int) -> None:
     if len(ns_id) != KEY_SIZE_BYTES:
         raise ValueError(f"namespace id must be {KEY_SIZE_BYTES} bytes, got {len(ns_id)}")
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-    data = tokens_as_uint32(tokens).tobytes()
-    stride = block_tokens * 4
-    keys: list[bytes] = []
-    prev = ns_id
-    for start in range(0, len(data) - stride + 1, stride):
+
+
+def _extend_chain(prev: bytes, data: memoryview, stride: int, out: list[bytes]) -> None:
+    """Append the chained key of every full ``stride``-byte block of ``data`` to ``out``."""
+    for start in range(0, data.nbytes - stride + 1, stride):
         h = hashlib.blake2b(prev, digest_size=KEY_SIZE_BYTES, person=_BLOCK_PERSON)
-        h.update(data[start : start + stride])
+        h.update(data[start:start + stride])
         prev = h.digest()
-        keys.append(prev)
+        out.append(prev)
+
+
+def chain_keys(ns_id: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes]:
+    """The chained key of every full block of ``tokens`` (a partial tail gets none)."""
+    _check_chain(ns_id, block_tokens)
+    keys: list[bytes] = []
+    _extend_chain(ns_id, memoryview(tokens_as_uint32(tokens)).cast("B"), block_tokens * 4, keys)
     return keys
+
+
+class KeyChain:
+    """The keys of one growing token sequence (a request's prompt and output), extended
+    by the blocks completed since the last call: O(new blocks) per step, not O(sequence).
+
+    The sequence may only grow: the tokens already hashed are taken as unchanged."""
+
+    def __init__(self, ns_id: bytes, block_tokens: int) -> None:
+        _check_chain(ns_id, block_tokens)
+        self._ns_id = ns_id
+        self._block_tokens = block_tokens
+        self._keys: list[bytes] = []
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The keys of every full block hashed so far (the list itself: do not modify it)."""
+        return self._keys
+
+    @property
+    def tokens_hashed(self) -> int:
+        return len(self._keys) * self._block_tokens
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Hash the full blocks of ``tokens`` (the whole sequence so far) not hashed yet;
+        returns :attr:`keys`."""
+        done = self.tokens_hashed
+        full = len(tokens) // self._block_tokens * self._block_tokens
+        if full > done:
+            prev = self._keys[-1] if self._keys else self._ns_id
+            data = memoryview(tokens_as_uint32(tokens[done:full])).cast("B")
+            _extend_chain(prev, data, self._block_tokens * 4, self._keys)
+        return self._keys

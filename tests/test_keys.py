@@ -105,3 +105,46 @@ def test_the_daemon_side_imports_stay_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"heavy modules imported by the daemon side: {out}"
+
+
+def test_key_chain_extends_by_new_blocks_only():
+    ns = Namespace("m", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=4))
+    tokens = list(range(1, 40))
+    chain = ns.key_chain()
+    seen = []
+    for n in (0, 3, 4, 5, 11, 12, 12, 39):
+        seen.append(len(chain.extend(tokens[:n])))
+        assert chain.keys == ns.keys(tokens[:n])
+    assert seen == [0, 0, 1, 1, 2, 3, 3, 9]
+    assert chain.tokens_hashed == 36
+
+
+def test_key_chain_hashes_only_the_new_tokens(monkeypatch):
+    import kvtier.common.keys as keys_mod
+
+    ns = Namespace("m", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=4))
+    chain = ns.key_chain()
+    chain.extend(list(range(400)))
+    converted = []
+    real = keys_mod.tokens_as_uint32
+    monkeypatch.setattr(keys_mod, "tokens_as_uint32", lambda t: converted.append(len(t)) or real(t))
+    chain.extend(list(range(408)))
+    assert converted == [8]
+    assert chain.keys == ns.keys(list(range(408)))
+
+
+def test_tokens_from_lists_are_range_checked():
+    from kvtier.common.keys import tokens_as_uint32
+
+    assert tokens_as_uint32([0, 2**32 - 1]).tolist() == [0, 2**32 - 1]
+    for bad in ([-1], [2**32]):
+        with pytest.raises(ValueError, match="token ids must lie"):
+            tokens_as_uint32(bad)
+    with pytest.raises(ValueError, match="must be integers"):
+        tokens_as_uint32([1.5])
+
+
+def test_namespace_id_is_computed_once():
+    ns = Namespace("m", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4))
+    assert ns.id is ns.id
+    assert ns.id == Namespace("m", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)).id
