@@ -102,12 +102,12 @@ def copy_tensor(dst, src) -> None:
     if dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype:
         import numpy as np
 
-        np.copyto(_host_bits(dst), _host_bits(src))
+        np.copyto(host_bits(dst), host_bits(src))
     else:
         dst.copy_(src, non_blocking=False)
 
 
-def _host_bits(t):
+def host_bits(t):
     """A NumPy view of a CPU tensor's bits (int16 / int32 by item size)."""
     import torch
 

@@ -109,15 +109,20 @@ class RawCodec:
         check_block_shape(arr.shape)
         return PayloadHeader(1, dtype_code(arr.dtype), arr.shape).size_bytes + arr.nbytes
 
+    def payload_header(self, shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+        """The codec header of a raw payload; the array's C-order bytes follow it, so a
+        caller may gather an array straight into place after it."""
+        check_block_shape(tuple(shape))
+        return PayloadHeader(codec_ids.BASE_CODEC_IDS["raw"], dtype_code(dtype), tuple(shape)).pack()
+
     def encode_into(self, x: Any, buf: bytearray | memoryview) -> int:
         """Encode a host array into ``buf`` (reusable, at least ``encoded_size(x)`` bytes); returns the size."""
         arr = host_view(x)
-        check_block_shape(arr.shape)
-        header = PayloadHeader(codec_ids.BASE_CODEC_IDS["raw"], dtype_code(arr.dtype), arr.shape)
-        total = header.size_bytes + arr.nbytes
+        header = self.payload_header(arr.shape, arr.dtype)
+        total = len(header) + arr.nbytes
         mv = _writable(buf, total)
-        mv[: header.size_bytes] = header.pack()
-        np.copyto(np.frombuffer(mv, arr.dtype, arr.size, header.size_bytes).reshape(arr.shape), arr)
+        mv[: len(header)] = header
+        np.copyto(np.frombuffer(mv, arr.dtype, arr.size, len(header)).reshape(arr.shape), arr)
         return total
 
     def decode(self, data: bytes | memoryview, out: Any) -> Any:
@@ -126,10 +131,12 @@ class RawCodec:
             from .quant_cupy import decode_raw_device
 
             return decode_raw_device(header, data, out)
-        arr = _host_out(out)
+        arr = host_view(out)  # any strides: a raw payload is copied straight into place
+        if not arr.flags.writeable:
+            raise ValueError("out is read-only")
         check_out(header, arr.dtype, arr.shape)
         check_length(len(data), header.size_bytes + arr.nbytes, self.name)
-        arr.reshape(-1)[...] = np.frombuffer(data, arr.dtype, arr.size, header.size_bytes)
+        np.copyto(arr, np.frombuffer(data, arr.dtype, arr.size, header.size_bytes).reshape(arr.shape))
         return out
 
     def parse(self, data: bytes | memoryview) -> PayloadHeader:

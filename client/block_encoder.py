@@ -1,0 +1,144 @@
+"""Engine KV -> blocks ready for the wire, in one pass over the data.
+
+Each block is built in a reusable, page-aligned send buffer that holds its header::
+
+    send buffer:  [ block header (64) | codec payload ............................ ]
+                                      raw: the codec header, then the gather lands
+                                      in place (the gather is the encode);
+                                      other codecs: gather -> a reused scratch block,
+                                      then the codec encodes into the buffer
+
+The block header's payload CRC is computed over the buffer where the payload lies, and
+the client sends the buffer as it is (``sendmsg`` of a view): no stack, no contiguous
+copy, no ``bytes()`` of a payload, no joining of header and payload.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kvtier.common.aligned import aligned_buffer, align_up
+from kvtier.common.blockformat import HEADER_SIZE, encode_header
+from kvtier.common.keys import KVLayout
+
+from .block_payload import host_bits
+
+SEND_BUFFERS_BYTES_MAX = 1 << 30  # idle send buffers kept for reuse; more are freed as they come back
+LZ4_GROWTH_BYTES = 1 << 16  # what lz4 may add to incompressible input of a block (plus 1/255 of it)
+
+
+class SendBuffers:
+    """A free list of page-aligned buffers of one size, keeping at most a byte limit idle."""
+
+    def __init__(self, buffer_bytes: int, keep_bytes_max: int = SEND_BUFFERS_BYTES_MAX) -> None:
+        self.buffer_bytes = align_up(buffer_bytes)
+        self._keep_max = max(1, keep_bytes_max // self.buffer_bytes)
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def take(self) -> memoryview:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return aligned_buffer(self.buffer_bytes)
+
+    def give_back(self, buffers: Sequence[memoryview]) -> None:
+        with self._lock:
+            room = max(0, self._keep_max - len(self._free))
+            self._free.extend(buffers[:room])
+
+
+class BlockEncoder:
+    """Builds the blocks of engine KV (per-layer ``(k, v)``, ``[1, kv_heads, T, head_dim]``)
+    for one namespace and codec, each in a send buffer; see the module doc."""
+
+    def __init__(self, layout: KVLayout, ns_id: bytes, codec) -> None:
+        from kvtier.kernels.arrays import BF16
+
+        self.layout = layout
+        self.ns_id = ns_id
+        self.codec = codec
+        self._dtype = BF16 if layout.dtype == "bfloat16" else np.dtype(layout.dtype)
+        self._bits = np.dtype(f"i{self._dtype.itemsize}")  # what host_bits() views tensors as
+        self._raw_header = codec.payload_header(layout.block_shape, self._dtype) if codec.name == "raw" else None
+        self.buffers = SendBuffers(HEADER_SIZE + self._payload_size_max())
+        self._scratch = threading.local()
+
+    def _payload_size_max(self) -> int:
+        if self._raw_header is not None:
+            return len(self._raw_header) + self.layout.block_raw_bytes
+        probe = np.zeros(self.layout.block_shape, self._dtype)
+        if hasattr(self.codec, "encoded_size"):
+            return self.codec.encoded_size(probe)
+        return len(self.codec.encode(probe)) + self.layout.block_raw_bytes // 255 + LZ4_GROWTH_BYTES
+
+    @contextmanager
+    def encoded(self, kv: Sequence, first_block: int, keys: Sequence[bytes],
+                seq_tokens: int | None = None) -> Iterator[list[memoryview]]:
+        """Blocks ``first_block ..`` (one per key) of ``kv``, each a view of a send buffer
+        (header + payload), for the body; the buffers are reused afterwards."""
+        taken: list[memoryview] = []
+        try:
+            blocks = []
+            for i, key in enumerate(keys):
+                taken.append(self.buffers.take())
+                blocks.append(self.encode_into(kv, first_block + i, key, taken[-1], seq_tokens))
+            yield blocks
+        finally:
+            self.buffers.give_back(taken)
+
+    def encode_into(self, kv: Sequence, index: int, key: bytes, buf: memoryview,
+                    seq_tokens: int | None = None) -> memoryview:
+        """Block ``index`` of ``kv`` built in ``buf``; the view of the block's bytes."""
+        payload = buf[HEADER_SIZE:]
+        if self._raw_header is not None:
+            size = self._gather_raw(kv, index, payload)
+        else:
+            size = self._encode_other(kv, index, payload, seq_tokens)
+        buf[:HEADER_SIZE] = encode_header(key, self.ns_id, self.codec.codec_id, payload[:size])
+        return buf[:HEADER_SIZE + size]
+
+    def _gather_raw(self, kv: Sequence, index: int, payload: memoryview) -> int:
+        head = len(self._raw_header)
+        payload[:head] = self._raw_header
+        count = self.layout.block_raw_bytes // self._bits.itemsize
+        gather_block(kv, self.layout, index,
+                     np.frombuffer(payload, self._bits, count, head).reshape(self.layout.block_shape))
+        return head + self.layout.block_raw_bytes
+
+    def _encode_other(self, kv: Sequence, index: int, payload: memoryview, seq_tokens: int | None) -> int:
+        scratch = getattr(self._scratch, "block", None)
+        if scratch is None:
+            scratch = self._scratch.block = np.empty(self.layout.block_shape, self._bits)
+        gather_block(kv, self.layout, index, scratch)
+        block = scratch.view(self._dtype)
+        if hasattr(self.codec, "encode_into"):
+            return self.codec.encode_into(block, payload)
+        if seq_tokens is not None and hasattr(self.codec, "layer_codecs"):
+            data = self.codec.encode(block, seq_tokens=seq_tokens)  # mixed: the policy depends on the length
+        else:
+            data = self.codec.encode(block)  # lz4 stages produce bytes of their own
+        payload[:len(data)] = data
+        return len(data)
+
+
+def gather_block(kv: Sequence, layout: KVLayout, index: int, dest: np.ndarray) -> None:
+    """``dest[layer, 0|1] = k|v[0, :, tokens of block index]`` for every layer (one copy
+    each); ``dest`` is ``block_shape`` of the layout's bits (int16 for 2-byte dtypes)."""
+    b = layout.block_tokens
+    start, end = index * b, (index + 1) * b
+    for layer, (k, v, *_) in enumerate(kv):
+        for which, tensor in ((0, k), (1, v)):
+            src = tensor[0, :, start:end]
+            if src.device.type == "cpu":
+                np.copyto(dest[layer, which], host_bits(src))
+            else:
+                import torch
+
+                into = torch.from_numpy(dest[layer, which])
+                into.copy_(src.view(into.dtype))
