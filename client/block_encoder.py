@@ -15,8 +15,7 @@ copy, no ``bytes()`` of a payload, no joining of header and payload.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from kvtier.common.aligned import aligned_buffer, align_up
 from kvtier.common.blockformat import HEADER_SIZE, encode_header
 from kvtier.common.keys import KVLayout
 
-from .block_payload import host_bits
+from .block_payload import copy_tensor, host_bits
 
 SEND_BUFFERS_BYTES_MAX = 1 << 30  # idle send buffers kept for reuse; more are freed as they come back
 LZ4_GROWTH_BYTES = 1 << 16  # what lz4 may add to incompressible input of a block (plus 1/255 of it)
@@ -53,6 +52,29 @@ class SendBuffers:
             self._free.extend(buffers[:room])
 
 
+class EncodedBlocks:
+    """Built blocks and the send buffers they live in, until :meth:`release`."""
+
+    def __init__(self, pool: SendBuffers) -> None:
+        self.blocks: list[memoryview] = []
+        self.buffers: list[memoryview] = []
+        self._pool = pool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def release(self) -> None:
+        buffers, self.buffers, self.blocks = self.buffers, [], []
+        self._pool.give_back(buffers)
+
+    def __enter__(self) -> list[memoryview]:
+        return self.blocks
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class BlockEncoder:
     """Builds the blocks of engine KV (per-layer ``(k, v)``, ``[1, kv_heads, T, head_dim]``)
     for one namespace and codec, each in a send buffer; see the module doc."""
@@ -77,31 +99,47 @@ class BlockEncoder:
             return self.codec.encoded_size(probe)
         return len(self.codec.encode(probe)) + self.layout.block_raw_bytes // 255 + LZ4_GROWTH_BYTES
 
-    @contextmanager
-    def encoded(self, kv: Sequence, first_block: int, keys: Sequence[bytes],
-                seq_tokens: int | None = None) -> Iterator[list[memoryview]]:
+    def encode(self, kv: Sequence, first_block: int, keys: Sequence[bytes],
+               seq_tokens: int | None = None) -> "EncodedBlocks":
         """Blocks ``first_block ..`` (one per key) of ``kv``, each a view of a send buffer
-        (header + payload), for the body; the buffers are reused afterwards."""
-        taken: list[memoryview] = []
-        try:
-            blocks = []
-            for i, key in enumerate(keys):
-                taken.append(self.buffers.take())
-                blocks.append(self.encode_into(kv, first_block + i, key, taken[-1], seq_tokens))
-            yield blocks
-        finally:
-            self.buffers.give_back(taken)
+        (header + payload); :meth:`EncodedBlocks.release` (or a ``with``) reuses the buffers."""
+        return self._build(keys, lambda i, payload: self._gather_into(kv, first_block + i, payload, seq_tokens))
 
-    def encode_into(self, kv: Sequence, index: int, key: bytes, buf: memoryview,
-                    seq_tokens: int | None = None) -> memoryview:
-        """Block ``index`` of ``kv`` built in ``buf``; the view of the block's bytes."""
-        payload = buf[HEADER_SIZE:]
+    def encode_tensors(self, blocks: Sequence, keys: Sequence[bytes]) -> "EncodedBlocks":
+        """:meth:`encode` of ``block_shape`` tensors (or arrays), e.g. gathered from a paged cache."""
+        return self._build(keys, lambda i, payload: self._tensor_into(blocks[i], payload))
+
+    def _build(self, keys: Sequence[bytes], fill) -> "EncodedBlocks":
+        built = EncodedBlocks(self.buffers)
+        try:
+            for i, key in enumerate(keys):
+                buf = self.buffers.take()
+                built.buffers.append(buf)
+                payload = buf[HEADER_SIZE:]
+                size = fill(i, payload)
+                buf[:HEADER_SIZE] = encode_header(key, self.ns_id, self.codec.codec_id, payload[:size])
+                built.blocks.append(buf[:HEADER_SIZE + size])
+        except BaseException:
+            built.release()
+            raise
+        return built
+
+    def _gather_into(self, kv: Sequence, index: int, payload: memoryview, seq_tokens: int | None) -> int:
         if self._raw_header is not None:
-            size = self._gather_raw(kv, index, payload)
-        else:
-            size = self._encode_other(kv, index, payload, seq_tokens)
-        buf[:HEADER_SIZE] = encode_header(key, self.ns_id, self.codec.codec_id, payload[:size])
-        return buf[:HEADER_SIZE + size]
+            return self._gather_raw(kv, index, payload)
+        return self._encode_other(kv, index, payload, seq_tokens)
+
+    def _tensor_into(self, block, payload: memoryview) -> int:
+        if tuple(block.shape) != self.layout.block_shape:
+            raise ValueError(f"block has shape {tuple(block.shape)}, expected {self.layout.block_shape}")
+        if hasattr(block, "device") and block.device.type != "cpu":
+            block = block.cpu()
+        arr = host_bits(block) if hasattr(block, "device") else np.asarray(block).view(self._bits)
+        if hasattr(self.codec, "encode_into"):
+            return self.codec.encode_into(arr.view(self._dtype), payload)
+        data = self.codec.encode(arr.view(self._dtype))
+        payload[:len(data)] = data
+        return len(data)
 
     def _gather_raw(self, kv: Sequence, index: int, payload: memoryview) -> int:
         head = len(self._raw_header)
@@ -127,15 +165,18 @@ class BlockEncoder:
         return len(data)
 
 
-def gather_block(kv: Sequence, layout: KVLayout, index: int, dest: np.ndarray) -> None:
-    """``dest[layer, 0|1] = k|v[0, :, tokens of block index]`` for every layer (one copy
-    each); ``dest`` is ``block_shape`` of the layout's bits (int16 for 2-byte dtypes)."""
+def gather_block(kv: Sequence, layout: KVLayout, index: int, dest) -> None:
+    """``dest[layer, 0|1] = k|v[0, :, tokens of block index]`` for every layer, one copy
+    each. ``dest`` is ``block_shape``: a NumPy array of the layout's bits (int16 for
+    2-byte dtypes), or a tensor of the layout's dtype (a hot-pool slot, on any device)."""
     b = layout.block_tokens
     start, end = index * b, (index + 1) * b
     for layer, (k, v, *_) in enumerate(kv):
         for which, tensor in ((0, k), (1, v)):
             src = tensor[0, :, start:end]
-            if src.device.type == "cpu":
+            if not isinstance(dest, np.ndarray):
+                copy_tensor(dest[layer, which], src)
+            elif src.device.type == "cpu":
                 np.copyto(dest[layer, which], host_bits(src))
             else:
                 import torch

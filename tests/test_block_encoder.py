@@ -33,7 +33,7 @@ def test_blocks_are_the_reference_bytes(dtype, codec_name):
     keys = ns.keys(list(range(50)))
     reference = blocks_from_kv(kv, layout, 1, 2)
     encoder = BlockEncoder(layout, ns.id, codec)
-    with encoder.encoded(kv, 1, keys[1:3]) as blocks:
+    with encoder.encode(kv, 1, keys[1:3]) as blocks:
         for i, block in enumerate(blocks):
             verify_block(block, expected_key=keys[1 + i])
             assert bytes(block) == encode_block(keys[1 + i], ns.id, codec.codec_id, codec.encode(reference[i]))
@@ -46,7 +46,7 @@ def test_send_buffers_are_reused_and_aligned():
     kv = _kv(layout, 256)
     keys = ns.keys(list(range(256)))
     for _ in range(3):
-        with encoder.encoded(kv, 0, keys) as blocks:
+        with encoder.encode(kv, 0, keys) as blocks:
             addresses = {np.frombuffer(b, np.uint8).ctypes.data % 4096 for b in blocks}
     assert encoder.buffers.allocated == len(keys)
     assert addresses == {0}
@@ -60,11 +60,11 @@ def test_a_raw_store_allocates_no_block_sized_temporaries():
     encoder = BlockEncoder(layout, ns.id, get_codec("raw"))
     kv = _kv(layout, 8 * 256)
     keys = ns.keys(list(range(8 * 256)))
-    with encoder.encoded(kv, 0, keys):
+    with encoder.encode(kv, 0, keys):
         pass  # warms the send buffers
     tracemalloc.start()
     try:
-        with encoder.encoded(kv, 0, keys) as blocks:
+        with encoder.encode(kv, 0, keys) as blocks:
             assert len(blocks) == 8
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -88,8 +88,36 @@ def test_raw_decode_lands_in_a_strided_slice():
     kv = _kv(layout, 32)
     out = torch.zeros(layout.num_layers, 2, 1, layout.num_kv_heads, 32, layout.head_dim, dtype=torch.float16)
     encoder = BlockEncoder(layout, ns.id, codec)
-    with encoder.encoded(kv, 0, ns.keys(list(range(32)))) as blocks:
+    with encoder.encode(kv, 0, ns.keys(list(range(32)))) as blocks:
         for i, block in enumerate(blocks):
             codec.decode(block[HEADER_SIZE:], out[:, :, 0, :, i * 16:(i + 1) * 16])
     for layer, (k, v) in enumerate(kv):
         assert torch.equal(out[layer, 0], k) and torch.equal(out[layer, 1], v)
+
+
+@pytest.mark.parametrize("codec_name", ["raw", "int8", "int8+lz4"])
+def test_block_tensors_encode_to_the_reference_bytes(codec_name):
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_tokens=16)
+    ns = Namespace("m", layout, codec=codec_name)
+    codec = get_codec(codec_name)
+    blocks = blocks_from_kv(_kv(layout, 48), layout, 0, 3)
+    keys = ns.keys(list(range(48)))
+    encoder = BlockEncoder(layout, ns.id, codec)
+    with encoder.encode_tensors(blocks, keys) as built:
+        assert [bytes(b) for b in built] == [encode_block(k, ns.id, codec.codec_id, codec.encode(blocks[i]))
+                                             for i, k in enumerate(keys)]
+    with pytest.raises(ValueError, match="expected"):
+        encoder.encode_tensors([blocks[0][:, :1]], keys[:1])
+    with encoder.encode_tensors(blocks, keys):
+        pass
+    assert encoder.buffers.allocated == 3  # the failed build gave its buffer back
+
+
+def test_gather_into_a_tensor_slot():
+    from kvtier.client.block_encoder import gather_block
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16)
+    kv = _kv(layout, 32)
+    slot = torch.empty(layout.block_shape, dtype=torch.float16)
+    gather_block(kv, layout, 1, slot)
+    assert torch.equal(slot, blocks_from_kv(kv, layout, 1, 1)[0])
