@@ -28,13 +28,16 @@ import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 
 from kvtier.common.addresses import AddressError, parse_address
+from kvtier.daemon.engine.config import REGION_SIZE_DEFAULT_BYTES, STRIPE_SIZE_DEFAULT_BYTES
+from kvtier.daemon.engine.eviction import EVICTION_POLICIES
+from kvtier.daemon.engine.index import HITS_MAX
 
 EMBEDDED_DEVICE_COUNT = 4  # the embedded default: 4 file-backed devices, RAID0
 EMBEDDED_DEVICE_SIZE_BYTES = 1 << 30  # 1 GiB each: room to try kvtier without a disk to spare
 MAX_CONNECTIONS_LIMIT = 65536  # one thread per connection: beyond this, use more daemons
-REINSERT_HITS_MAX = 255  # the engine counts reads in one byte per index slot
+REINSERT_HITS_MAX = HITS_MAX  # the engine counts reads in one byte per index slot
 LOG_LEVELS = ("debug", "info", "warning", "error")
-EVICTIONS = ("fifo", "lru")
+EVICTIONS = EVICTION_POLICIES
 _SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -83,8 +86,8 @@ class DaemonConfig:
     data_dir: str = "./data"
     devices: tuple[str, ...] = ()
     device_size_bytes: int = EMBEDDED_DEVICE_SIZE_BYTES
-    stripe_size_bytes: int = 1 << 20
-    region_size_bytes: int = 64 << 20
+    stripe_size_bytes: int = STRIPE_SIZE_DEFAULT_BYTES
+    region_size_bytes: int = REGION_SIZE_DEFAULT_BYTES
     eviction: str = "fifo"
     reinsert_hits: int = 0
     listen: str = "127.0.0.1:7410"

@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, encode_block, verify_block
 from kvtier.daemon.engine import BlockLocation, EngineError
-from kvtier.daemon.engine.config import LOCATION_DTYPE
+from kvtier.daemon.engine.locations import LOCATION_DTYPE
 from kvtier.common.aligned import aligned_buffer
 from kvtier.daemon.engine.index import PINNED_BIT
 
@@ -32,8 +32,8 @@ def oracle_locate(engine, keys) -> list[BlockLocation | None]:
             out.append(None)
             continue
         addr = int(engine._index.addr[slot])
-        sealed = engine._image_of(addr // engine.region_size_bytes) is None
-        out.append(BlockLocation(addr, int(engine._index.length[slot]), engine._seq_of(slot), sealed))
+        sealed = engine._allocator.image_of(addr // engine.region_size_bytes) is None
+        out.append(BlockLocation(addr, int(engine._index.length[slot]), engine._blocks.seq_of(slot), sealed))
     return out
 
 

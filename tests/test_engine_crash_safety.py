@@ -13,7 +13,10 @@ import itertools
 import pytest
 
 from kvtier.daemon.engine import DeviceError, Engine, EngineConfig, NoSpaceError
+from kvtier.daemon.engine.allocator import Allocator
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
+from kvtier.daemon.engine.region_manager import RegionManager
+from kvtier.daemon.engine.regions import RegionState
 from kvtier.daemon.engine.store import read_superblocks, write_generation
 from kvtier.daemon.engine.superblock import DATA_OFFSET_BYTES
 
@@ -73,7 +76,7 @@ def test_delete_all_then_a_crash_in_a_reused_region_never_serves_erased_blocks()
 
 def test_erased_seqs_past_31_bits_neither_resurface_nor_stop_recovery():
     engine, cfg, devs = mem_engine(regions=4, devices=1)
-    engine._next_seq = SEQS_PAST_31_BITS  # a store that has taken 3e9 seqs (too slow to reach with puts)
+    engine._seqs.next = SEQS_PAST_31_BITS  # a store that has taken 3e9 seqs (too slow to reach with puts)
     engine, _ = erase_then_crash_in_the_reused_region(engine, cfg, devs, delete_all_and_close)
     engine.close()
 
@@ -81,7 +84,7 @@ def test_erased_seqs_past_31_bits_neither_resurface_nor_stop_recovery():
 def test_a_store_without_a_seq_floor_starts_above_every_region_header_it_finds():
     """Superblocks written before the floor existed read as floor 0: old region headers bound the seqs."""
     engine, cfg, devs = mem_engine(regions=4, devices=1)
-    engine._next_seq = SEQS_PAST_31_BITS
+    engine._seqs.next = SEQS_PAST_31_BITS
 
     def delete_all_without_floor(eng):
         eng.delete_all()
@@ -95,7 +98,7 @@ def test_a_store_without_a_seq_floor_starts_above_every_region_header_it_finds()
 
 def test_forced_format_carries_the_old_stores_seqs_over():
     engine, cfg, devs = mem_engine(regions=4, devices=1)
-    engine._next_seq = SEQS_PAST_31_BITS
+    engine._seqs.next = SEQS_PAST_31_BITS
 
     def format_over(eng):
         eng.close()
@@ -273,7 +276,7 @@ def test_a_summary_entry_outside_its_regions_seq_span_is_dropped_not_asserted():
     entries["seq"][2] = base_seq + (1 << 31) + 5  # a CRC-valid summary whose entry the index could not hold
     image = aligned_buffer(REGION)
     engine._array.read(0, image)
-    write_summary(engine._array, image, region, engine._generation, entries, base_seq,
+    write_summary(engine._array, image, region, engine._allocator.generation, entries, base_seq,
                   int(engine._table.data_end[0]))
     engine = reopen(cfg, devs)
     assert present(engine, range(5)) == [0, 1, 3, 4]
@@ -498,18 +501,18 @@ def test_a_tombstone_outlives_an_older_copy_a_crash_left_in_another_region(monke
     class Killed(Exception):
         pass
 
-    start_region = Engine._start_region
+    start_region = Allocator.start_region
 
     def killed_before_rewriting_region_0(self, region):
         if region == 0:
-            self._reap_seal(wait=True)
+            self.reap_seal(wait=True)
             raise Killed()
         return start_region(self, region)
 
-    monkeypatch.setattr(Engine, "_start_region", killed_before_rewriting_region_0)
+    monkeypatch.setattr(Allocator, "start_region", killed_before_rewriting_region_0)
     with pytest.raises(Killed):
         engine.put(block(99, 600_000))  # region 0 reclaimed: 3 moved to the open region, synced
-    monkeypatch.setattr(Engine, "_start_region", start_region)
+    monkeypatch.setattr(Allocator, "start_region", start_region)
     engine = Engine.open(cfg, devices=[mem])
     assert engine.block_info(key(3))["region"] == 3 and engine.block_info(key(3))["pinned"]
     touch = lambda: [engine.get(key(i)) for i in (15, 25, 5)]  # noqa: E731 -- region 0 most recently used
@@ -538,7 +541,7 @@ def test_carried_tombstones_stay_in_their_regions_seq_span_across_a_clean_close(
     Engine.format(cfg, devices=[mem])
     engine = Engine.open(cfg, devices=[mem])
     in_place = []
-    reclaim_in_place = Engine._reclaim_in_place
+    reclaim_in_place = RegionManager._reclaim_in_place
 
     def spy(self, victim, moved, records):
         in_place.append((victim, len(moved), len(records)))
@@ -562,11 +565,11 @@ def test_carried_tombstones_stay_in_their_regions_seq_span_across_a_clean_close(
         assert engine.get(key(ids[-1])) is not None
     doomed = [key(i) for i in list(c) + list(d) + list(b[20:])][:936]  # the open region: nearly all records
     assert all(engine.delete_many(doomed))
-    Engine._reclaim_in_place = spy
+    RegionManager._reclaim_in_place = spy
     try:
         engine.put(block(9999, 2000))  # does not fit: region 1 (A) reclaimed in place, hot blocks kept
     finally:
-        Engine._reclaim_in_place = reclaim_in_place
+        RegionManager._reclaim_in_place = reclaim_in_place
     assert in_place == [(1, 70, 20)]
     engine.close()
     engine = Engine.open(cfg, devices=[mem])
@@ -593,9 +596,9 @@ def test_a_summary_entry_outside_the_regions_data_area_is_dropped_not_asserted(f
     entries[field][2] = value  # a CRC-valid summary with an entry no block can have
     image = aligned_buffer(REGION)
     engine._array.read(0, image)
-    write_summary(engine._array, image, 0, engine._generation, entries, base_seq, int(engine._table.data_end[0]))
-    scan = scan_regions(engine._array, 1, REGION, engine._generation)[0]
-    assert (scan.kind, scan.dropped_entries, len(scan.entries)) == ("sealed", 1, 4)
+    write_summary(engine._array, image, 0, engine._allocator.generation, entries, base_seq, int(engine._table.data_end[0]))
+    scan = scan_regions(engine._array, 1, REGION, engine._allocator.generation)[0]
+    assert (scan.kind, scan.dropped_entries, len(scan.entries)) == (RegionState.SEALED, 1, 4)
     engine = reopen(cfg, devs)
     assert present(engine, range(5)) == [0, 1, 3, 4]
     assert all(same_block(engine.get(key(i)), block(i, 1000)) for i in (0, 1, 3, 4))
@@ -611,12 +614,12 @@ def test_a_failed_delete_all_changes_nothing_in_memory():
     engine = Engine.open(cfg, devices=devs)
     fill(engine, range(3))
     engine.flush()
-    generation, floor = engine._generation, engine._seq_floor
+    generation, floor = engine._allocator.generation, engine._seq_floor
     devs[0].fail_writes = True
     with pytest.raises(DeviceError):
         engine.delete_all()
     devs[0].fail_writes = False
-    assert (engine._generation, engine._seq_floor) == (generation, floor)
+    assert (engine._allocator.generation, engine._seq_floor) == (generation, floor)
     engine.put(block(50, 1000), durable=True)
     engine = reopen(cfg, devs)  # killed
     assert present(engine, list(range(3)) + [50]) == [0, 1, 2, 50]

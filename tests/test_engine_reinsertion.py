@@ -127,7 +127,7 @@ def test_hot_blocks_never_stop_a_reclaim_from_freeing_room():
     st = engine.statistics()
     assert st.evicted_regions > 0 and st.reinsertions > 0 and st.alloc_failures == 0
     moved_per_reclaim = st.reinsertions / st.evicted_regions
-    assert moved_per_reclaim * (small + 64) <= engine._open.capacity_bytes * 0.25
+    assert moved_per_reclaim * (small + 64) <= engine._allocator.capacity_bytes * 0.25
     for i in range(600):
         got = engine.get(key(i))
         assert got is None or same_block(got, block(i, 20_000))

@@ -10,6 +10,7 @@ from kvtier.common.blockformat import HEADER_SIZE
 from kvtier.daemon.engine import DeviceError, Engine, EngineConfig, GeometryError
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
 from kvtier.daemon.engine.fsck import check_store
+from kvtier.daemon.engine.regions import RegionState
 from kvtier.daemon.engine.superblock import DATA_OFFSET_BYTES
 
 from test_engine import NS as NS_DEFAULT
@@ -220,7 +221,7 @@ def test_fsck_finds_and_repairs_a_corrupt_block(tmp_path):
     report = check_store(cfg)
     assert not report.clean and report.blocks_bad == 1 and report.blocks_ok == 10
     assert [r.region for r in report.regions if r.entries_bad] == [region]
-    assert any(r.state == "open" for r in report.regions)
+    assert any(r.state == RegionState.OPEN for r in report.regions)
     repaired = check_store(cfg, repair=True)
     assert region in repaired.repaired_regions
     after = check_store(cfg)

@@ -25,7 +25,7 @@ def report_document(cfg: EngineConfig, report: FsckReport, repair: bool) -> dict
     return {"devices": list(cfg.device_paths), "clean": report.clean, "repair": repair,
             "blocks_ok": report.blocks_ok, "blocks_bad": report.blocks_bad,
             "repaired_regions": list(report.repaired_regions),
-            "regions": [asdict(r) for r in report.regions]}
+            "regions": [{**asdict(r), "state": r.state.name.lower()} for r in report.regions]}
 
 
 def render_report(doc: dict) -> str:

@@ -1,9 +1,7 @@
-"""Engine configuration, statistics snapshot and block locations (frozen)."""
+"""Engine configuration (frozen, validated)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvtier.common.aligned import ALIGNMENT_BYTES
 from .eviction import EVICTION_POLICIES
@@ -53,43 +51,3 @@ class EngineConfig:
                              f"got {self.reinsertion_hits_min}")
         if self.io_threads_per_device < 1:
             raise ValueError(f"EngineConfig.io_threads_per_device must be >= 1, got {self.io_threads_per_device}")
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    blocks: int
-    bytes_stored: int
-    regions_total: int
-    regions_free: int
-    regions_sealed: int
-    hits: int
-    misses: int
-    puts: int
-    put_bytes: int
-    get_bytes: int
-    evicted_blocks: int
-    evicted_regions: int
-    reinsertions: int
-    device_errors: int
-    alloc_failures: int
-    corrupt_reads: int
-    recovered_blocks: int
-    recovery_seconds: float
-    index_bytes: int
-
-
-@dataclass(frozen=True)
-class BlockLocation:
-    """Where a block lives in the striped logical space (for direct reads)."""
-
-    logical_offset: int
-    length: int
-    seq: int
-    sealed: bool
-
-
-# One row per key of ``Engine.locate_buffer``: the fields of :class:`BlockLocation` plus ``found``
-# (a row with found=False is all zeros). Fixed little-endian layout, so it can go on the wire as is.
-LOCATION_DTYPE = np.dtype([("logical_offset", "<u8"), ("seq", "<u8"), ("length", "<u4"),
-                           ("found", "?"), ("sealed", "?"), ("_pad", "V2")])
-assert LOCATION_DTYPE.itemsize == 24, LOCATION_DTYPE.itemsize

@@ -21,13 +21,14 @@ from .devices import Device
 from kvtier.common.aligned import aligned_buffer
 from .raid0 import StripedArray
 from .recovery import scan_regions, write_summary
+from .regions import RegionState
 from .store import open_devices, validate_store
 
 
 @dataclass(frozen=True)
 class RegionReport:
     region: int
-    state: str  # "free" | "sealed" | "open"
+    state: RegionState  # as found on flash (OPEN: open when the store stopped)
     entries_ok: int
     entries_bad: int
     note: str = ""
@@ -48,7 +49,7 @@ class FsckReport:
 
     @property
     def clean(self) -> bool:
-        return self.blocks_bad == 0 and not any(r.state == "open" for r in self.regions)
+        return self.blocks_bad == 0 and not any(r.state == RegionState.OPEN for r in self.regions)
 
 
 def check_store(cfg: EngineConfig, repair: bool = False, devices: Sequence[Device] | None = None) -> FsckReport:
@@ -60,8 +61,8 @@ def check_store(cfg: EngineConfig, repair: bool = False, devices: Sequence[Devic
         size = cfg.region_size_bytes
         reports, repaired = [], []
         for scan in scan_regions(array, layout.region_count, size, layout.generation, layout.seq_floor):
-            if scan.kind == "free":
-                reports.append(RegionReport(scan.region, "free", 0, 0, scan.note))
+            if scan.kind == RegionState.FREE:
+                reports.append(RegionReport(scan.region, RegionState.FREE, 0, 0, scan.note))
                 continue
             image = scan.image
             if image is None:
@@ -71,7 +72,7 @@ def check_store(cfg: EngineConfig, repair: bool = False, devices: Sequence[Devic
             bad = int(np.count_nonzero(~good)) + scan.dropped_entries
             reports.append(RegionReport(scan.region, scan.kind, int(np.count_nonzero(good & _is_block(scan.entries))),
                                         bad, scan.note))
-            if repair and (bad or scan.kind == "open"):
+            if repair and (bad or scan.kind == RegionState.OPEN):
                 write_summary(array, image, scan.region, layout.generation, scan.entries[good], scan.base_seq,
                               scan.data_end)
                 repaired.append(scan.region)

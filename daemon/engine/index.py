@@ -13,11 +13,10 @@ vectorized pass::
 The home slot is a seeded multiplicative mix of both key halves, not
 ``k0 % capacity``: kvtier's own keys are BLAKE2b digests, but the
 daemon stores whatever 16 bytes a client sends, and keys that count up in
-their first 8 bytes would pile into one run of slots -- a LOOKUP of absent
-keys then probed tens of thousands of slots per key (0.00 M keys/s measured).
-The seed is drawn per table, so a client cannot choose keys that pile up
-(short of trivially related pairs, which collide in twos). The
-table grows by GROWTH_FACTOR when live + deleted
+their first 8 bytes would pile into one run of slots (every probe of an
+absent key would walk the whole run). The seed is drawn per table, so a
+client cannot choose keys that pile up (short of trivially related pairs,
+which collide in twos). The table grows by GROWTH_FACTOR when live + deleted
 slots would pass LOAD_FACTOR_MAX; a rehash drops the deleted markers. The seq of a
 block is ``region base seq + delta``: the region table holds the base, so the
 index does not spend 8 bytes a block on it. Namespace ids are not kept here
@@ -40,7 +39,7 @@ SLOT_BYTES = 32
 HITS_BYTES = 1  # the optional read-count column
 HITS_MAX = 255  # read counts saturate (one byte)
 BULK_RATIO = 16  # an insert of >= capacity/16 keys is a bulk load (recovery, rehash)
-PROBE_WINDOW = 16  # slots per key per round of find_many after the home slot (8 and 32 measured no better)
+PROBE_WINDOW = 16  # slots per key per round of find_many after the home slot
 _PROBE_OFFSETS = np.arange(PROBE_WINDOW, dtype=np.int64)
 _MASK64 = (1 << 64) - 1
 _M0, _M1, _M2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD  # odd multipliers

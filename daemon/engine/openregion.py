@@ -36,7 +36,7 @@ class OpenRegion:
     @property
     def capacity_bytes(self) -> int:
         """Room for blocks in an empty region (one summary entry each)."""
-        return self.size_bytes - fmt.REGION_HEADER_BYTES - fmt.TRAILER_BYTES
+        return fmt.data_room_bytes(self.size_bytes)
 
     def reset(self, region: int, base_seq: int, generation: int) -> bytes:
         """Start a new region; returns its header page (also placed in the image)."""

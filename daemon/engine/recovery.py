@@ -34,6 +34,7 @@ from . import regionfmt as fmt
 from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer, align_down
 from .index import DELETED, SEQ_DELTA_MAX  # DELETED: the index's marker, never a block length
 from .raid0 import StripedArray
+from .regions import RegionState
 
 SCAN_BATCH_REGIONS = 256  # header/trailer pages read per parallel batch: bounds the scratch memory
 
@@ -41,7 +42,7 @@ SCAN_BATCH_REGIONS = 256  # header/trailer pages read per parallel batch: bounds
 @dataclass
 class RegionScan:
     region: int
-    kind: str  # "free" | "sealed" | "open"
+    kind: RegionState  # as found on flash: FREE, SEALED or OPEN (open at the crash)
     base_seq: int = 0
     last_seq: int = 0
     data_end: int = 0
@@ -85,14 +86,14 @@ def _classify(array, region, region_size_bytes, generation, head, tail, seq_floo
     try:
         header = fmt.decode_region_header(head)
     except fmt.RegionFormatError as exc:
-        return RegionScan(region, "free", note=str(exc))
+        return RegionScan(region, RegionState.FREE, note=str(exc))
     span_max = seq_span_max(region_size_bytes)
     bound = header.base_seq + span_max  # any generation: its blocks may still lie in this region
     if header.generation != generation or header.region_index != region:
-        return RegionScan(region, "free", note="region header of an older generation", seq_bound=bound)
+        return RegionScan(region, RegionState.FREE, note="region header of an older generation", seq_bound=bound)
     if header.base_seq <= seq_floor:
-        return RegionScan(region, "free", note=f"region base_seq {header.base_seq} is not above the store's seq "
-                          f"floor {seq_floor} (erased)", seq_bound=bound)
+        return RegionScan(region, RegionState.FREE, note=f"region base_seq {header.base_seq} is not above the "
+                          f"store's seq floor {seq_floor} (erased)", seq_bound=bound)
     try:
         trailer = fmt.decode_trailer(tail)
         # a trailer newer than the header: a later use of the region was sealed but its header
@@ -113,22 +114,22 @@ def _classify(array, region, region_size_bytes, generation, head, tail, seq_floo
             # a later use's summary (torn) lies over this one: neither can be read back whole, and the
             # older use held nothing that had to outlive it (a walk would serve blocks its lost
             # summary deleted)
-            return RegionScan(region, "free", note=f"summary overwritten by a later use of the region ({exc})",
-                              seq_bound=bound)
+            return RegionScan(region, RegionState.FREE,
+                              note=f"summary overwritten by a later use of the region ({exc})", seq_bound=bound)
         entries, dropped = _in_span(entries, trailer.base_seq, span_max)
         entries, misplaced = _in_place(entries, region_size_bytes, trailer.entry_count)
         dropped += misplaced
         last = min(trailer.last_seq, trailer.base_seq + span_max)
         note = f"{dropped} summary entries outside the region's seq span or data area dropped" if dropped else ""
-        return RegionScan(region, "sealed", trailer.base_seq, last, trailer.data_end, entries, dropped, note,
-                          seq_bound=bound)
+        return RegionScan(region, RegionState.SEALED, trailer.base_seq, last, trailer.data_end, entries, dropped,
+                          note, seq_bound=bound)
     except fmt.RegionFormatError as exc:
         note = f"open or torn region ({exc}); blocks scanned"
     image = aligned_buffer(region_size_bytes)
     array.read(region * region_size_bytes, image)
     entries, data_end, dropped = scan_open_image(image, header.base_seq)
     last = int(entries["seq"].max()) if len(entries) else header.base_seq
-    kind = "open" if len(entries) else "free"
+    kind = RegionState.OPEN if len(entries) else RegionState.FREE
     return RegionScan(region, kind, header.base_seq, last, data_end, entries, dropped, note, image, bound)
 
 
@@ -263,7 +264,7 @@ def select_live(scans: list[RegionScan]) -> LiveSet:
     parts, regions = [], []
     max_seq = 0
     for scan in scans:
-        if scan.kind == "free":
+        if scan.kind == RegionState.FREE:
             continue
         max_seq = max(max_seq, scan.last_seq, scan.base_seq)
         parts.append(scan.entries)
@@ -274,7 +275,7 @@ def select_live(scans: list[RegionScan]) -> LiveSet:
         max_seq = max(max_seq, int(entries["seq"].max()))
     is_block = entries["kind"] == fmt.KIND_BLOCK
     meta, meta_region = entries[~is_block], region_of[~is_block]
-    # block columns, contiguous (sorting and fancy-indexing 64-byte records is several times slower)
+    # block columns, contiguous: sorted and fancy-indexed as columns, not as 64-byte records
     cols = {name: entries[name][is_block] for name in ("k0", "k1", "seq", "offset", "length", "flags")}
     cols["region"] = region_of[is_block]
     keep = _newest_per_key(cols["k0"], cols["k1"], cols["seq"])

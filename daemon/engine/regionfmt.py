@@ -52,6 +52,7 @@ KIND_PIN = 3  # block (key, target_seq) pinned
 KIND_UNPIN = 4  # block (key, target_seq) unpinned
 KIND_NS_TOMBSTONE = 5  # every block of namespace ns (k0/k1 hold the ns id) with seq < this seq is deleted
 FLAG_PINNED = 1
+NO_NAMESPACE = bytes(16)  # the ns field of a record about one key (a tombstone, pin or unpin)
 
 SUMMARY_DTYPE = np.dtype([
     ("k0", "<u8"), ("k1", "<u8"),  # the block key (little-endian halves)
@@ -108,6 +109,11 @@ def decode_region_header(buf) -> RegionHeader:
 
 ENTRY_STRUCT = struct.Struct("<QQ16sQQIIBB6x")  # the same layout as SUMMARY_DTYPE, for one entry
 assert ENTRY_STRUCT.size == ENTRY_BYTES
+
+
+def data_room_bytes(region_size_bytes: int) -> int:
+    """Room for blocks in an empty region (each block also takes one summary entry)."""
+    return region_size_bytes - REGION_HEADER_BYTES - TRAILER_BYTES
 
 
 def summary_bytes(entry_count: int) -> int:
@@ -188,6 +194,13 @@ def key_buffer_to_halves(keys_buf) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"keys buffer of {view.nbytes} bytes is not a whole number of 16-byte keys")
     pairs = np.frombuffer(view, dtype="<u8").reshape(-1, 2)
     return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
+def key_to_halves(key: bytes) -> tuple[int, int]:
+    """One 16-byte key -> its (k0, k1) little-endian halves."""
+    if len(key) != 16:
+        raise ValueError(f"keys must be 16 bytes, got {len(key)}")
+    return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
 
 
 def halves_to_key(k0: int, k1: int) -> bytes:

@@ -20,6 +20,8 @@ RECLAIM_PINNED_FRACTION_MAX = 0.5  # a region whose pinned bytes exceed this sha
 
 
 class RegionState(IntEnum):
+    """A region's state in the table -- and, in recovery and fsck, as found on flash."""
+
     FREE = 0
     OPEN = 1
     SEALED = 2
@@ -128,10 +130,6 @@ class RegionTable:
         self.policy.touch(region)
 
     # -- queries ---------------------------------------------------------
-    def victim(self) -> int | None:
-        """The first sealed region, in policy order, that may be reclaimed."""
-        return next(iter(self.victims()), None)
-
     def victims(self) -> list[int]:
         """Every sealed region that may be reclaimed, in policy order (first to evict first)."""
         limit = self.region_capacity_bytes * RECLAIM_PINNED_FRACTION_MAX

@@ -1,0 +1,154 @@
+"""The one GET driver behind ``get``, ``get_many``, ``get_into``, ``get_many_into`` and
+``get_many_placed``.
+
+::
+
+    keys ──index, lock held──> in a DRAM image? ──yes──> copied out under the lock
+                                     │ no
+                                     v
+               flash read outside the lock ──verify key, seq, CRCs──> bytes, or into the buffer
+                                     │ failed: re-located (it may have raced a reclaim), read again
+                                     v
+               still failing at the place the index holds: dropped as corrupt (a miss)
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import regionfmt as fmt
+from .allocator import Allocator
+from .blockmap import BlockMap
+from .buffers import copy_bytes
+from .errors import EngineError
+from .reader import BlockReader, ReadFailure
+from .statistics import EngineCounters
+
+READ_RETRIES = 1  # a flash read that fails verification is retried once (it may have raced a reclaim)
+
+
+class GetDriver:
+    def __init__(self, blocks: BlockMap, allocator: Allocator, reader: BlockReader, lock: threading.RLock,
+                 counters: EngineCounters, check_open: Callable[[], None], region_size_bytes: int):
+        self._blocks = blocks
+        self._allocator = allocator
+        self._reader = reader
+        self._lock = lock
+        self._counters = counters
+        self._check_open = check_open  # raises once the engine is closed
+        self._region_size = region_size_bytes
+
+    def get(self, keys: Sequence, bufs: Sequence | None = None, placed: bool = False,
+            verify_payload: bool = True) -> list:
+        """Block i as bytes, or None -- or, with ``bufs``, placed in ``bufs[i]``: its size, or with
+        ``placed`` (offset, size) (see ``Engine.get_many_placed``)."""
+        if bufs is not None and len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        keys = [bytes(k) for k in keys]
+        targets = None
+        if bufs is not None:
+            targets = [memoryview(b).cast("B") for b in bufs]
+            for i, target in enumerate(targets):
+                if target.readonly:
+                    raise TypeError(f"buffer {i} is read-only")
+        results: list = [None] * len(keys)
+        pending = self._serve_or_locate(keys, results, targets, placed)
+        for _ in range(READ_RETRIES + 1):
+            if not pending:
+                break
+            pending = self._read_sealed(keys, pending, results, targets, placed, verify_payload)
+        if pending:
+            self._drop_corrupt(keys, pending)
+        got = [r for r in results if r is not None]
+        sizes = [len(r) for r in got] if targets is None else [r[1] if placed else r for r in got]
+        self.count_gets(len(keys), len(got), sum(sizes))
+        return results
+
+    def count_gets(self, requested: int, hits: int, nbytes: int) -> None:
+        with self._lock:
+            self._counters.hits += hits
+            self._counters.misses += requested - hits
+            self._counters.get_bytes += nbytes
+
+    def _serve_or_locate(self, keys, results, targets, placed: bool) -> list[tuple[int, int, int, int]]:
+        """Serve DRAM-image hits into ``results`` (as bytes, or copied into ``targets`` and their
+        sizes -- ``placed``: (0, size)); returns (i, addr, length, seq) of the ones on flash. With
+        ``targets``, every hit's buffer is checked for size first."""
+        if not keys:
+            return []
+        k0, k1 = fmt.keys_to_halves(keys)
+        with self._lock:
+            self._check_open()
+            resolved = self._blocks.resolve(k0, k1, self._allocator.image_regions(), count_hits=True)
+            hit, addr, length, seq, sealed = (a.tolist() for a in resolved)
+            if targets is not None:
+                for i, nbytes in zip(hit, length):
+                    if targets[i].nbytes < nbytes:
+                        raise EngineError(f"buffer of {targets[i].nbytes} bytes is too small for the "
+                                          f"{nbytes}-byte block")
+            self._touch_regions(addr)
+            pending = []
+            for i, at, nbytes, sq, on_flash in zip(hit, addr, length, seq, sealed):
+                if on_flash:
+                    pending.append((i, at, nbytes, sq))
+                    continue
+                region = at // self._region_size
+                block = self._allocator.image_of(region).block(at - region * self._region_size, nbytes)
+                if targets is None:
+                    results[i] = bytes(block)
+                else:
+                    copy_bytes(targets[i][:nbytes], block)
+                    results[i] = (0, nbytes) if placed else nbytes
+        return pending
+
+    def _touch_regions(self, addrs: list[int]) -> None:
+        """Touch the regions of these blocks for the eviction policy, each once, in the order of
+        its last block (the order one touch per block would leave)."""
+        if not addrs:
+            return
+        now = time.time()
+        newest_first = dict.fromkeys(addr // self._region_size for addr in reversed(addrs))
+        for region in reversed(list(newest_first)):
+            self._blocks.table.touch(region, now)
+
+    def _read_sealed(self, keys, pending, results, targets, placed: bool,
+                     verify_payload: bool) -> list[tuple[int, int, int, int]]:
+        """Read blocks from flash (as bytes, or into ``targets``); returns the ones that failed
+        verification, re-located (they may have raced a reclaim)."""
+        outcomes = self._reader.read_many([(keys[i], addr, length, seq) for i, addr, length, seq in pending],
+                                          None if targets is None else [targets[i] for i, _, _, _ in pending],
+                                          placed, verify_payload)
+        failed = []
+        device_errors = 0
+        for (i, _, _, _), outcome in zip(pending, outcomes):
+            if isinstance(outcome, (bytes, int, tuple)):
+                results[i] = outcome
+            elif outcome is ReadFailure.CORRUPT:
+                failed.append(i)
+            else:
+                device_errors += 1
+        if device_errors:
+            with self._lock:
+                self._counters.device_errors += device_errors
+        if not failed:
+            return []
+        relocated = self._serve_or_locate([keys[i] for i in failed], sub := [None] * len(failed),
+                                          None if targets is None else [targets[i] for i in failed], placed)
+        for j, block in enumerate(sub):
+            if block is not None:
+                results[failed[j]] = block
+        return [(failed[j], addr, length, seq) for j, addr, length, seq in relocated]
+
+    def _drop_corrupt(self, keys, pending) -> None:
+        """Blocks that failed verification at a location the index still holds: drop them."""
+        index = self._blocks.index
+        with self._lock:
+            for i, addr, length, seq in pending:
+                k0, k1 = fmt.key_to_halves(keys[i])
+                slot = index.find(k0, k1)
+                if slot >= 0 and int(index.addr[slot]) == addr and self._blocks.seq_of(slot) == seq:
+                    self._blocks.forget(np.array([slot]))
+                    self._counters.corrupt_reads += 1
