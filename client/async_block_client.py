@@ -1,6 +1,6 @@
 """AsyncBlockClient: BlockClient's methods as coroutines (asyncio).
 
-Same ops (:mod:`kvtier.client.protocol_ops`), same pool-and-retry behaviour
+Same ops (:mod:`kvtier.client.transport_ops`), same pool-and-retry behaviour
 (a DELETE whose request went out is not repeated after a failure either),
 same verification; the socket work uses asyncio streams. Payloads are copied
 once out of the stream buffer (asyncio streams offer no ``recv_into``); use
@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from kvtier.wire import connection as p
-from kvtier.client import protocol_ops as ops
+from kvtier.client import transport_ops as ops
 from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientBase, ClientStatistics, _lost, _not_repeated,
                                         accept_reply, geometry_from_info)
 from kvtier.common.stripe import StripeGeometry

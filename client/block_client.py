@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.wire import connection as p
-from kvtier.client import protocol_ops as ops
+from kvtier.client import transport_ops as ops
 from kvtier.wire.sockets import receive_some, sendmsg_all
+from kvtier.wire.writers import check_key
 from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
 from kvtier.common.stripe import StripeGeometry
 
@@ -73,9 +74,11 @@ def limits_from_info(info) -> p.Limits:
 
 
 def accept_reply(reply, expected_id: int, first_error: p.RemoteError | None) -> p.RemoteError | None:
-    """Check one pipelined reply against the request it must answer -- an error reply too --
-    and return the first error reply so far (the rest of the pipeline is still read). A reply
-    out of order, or a connection-level error (request id 0: the daemon closes), raises now."""
+    """Check that one pipelined reply is the next one due -- an error reply too -- and return
+    the first error reply so far (the rest of the pipeline is still read). The connection has
+    already refused a reply that answers none of its outstanding requests, or not with their
+    op; here a reply out of order, or a connection-level error (request id 0: the daemon
+    closes), raises now."""
     if reply.request_id != expected_id and not (isinstance(reply, p.ErrorReply) and reply.request_id == 0):
         raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, expected {expected_id}")
     if isinstance(reply, p.ErrorReply):
@@ -124,9 +127,7 @@ class ReplyBuffers:
     ``np.frombuffer``, keeps its memoryview): :func:`_exported` asks exactly
     that, on any Python version or build, instead of guessing from reference
     counts. Reuse matters because fresh memory is paid for in page faults on the
-    first write, which cost more than the kernel's copy of the bytes: client
-    CPU for copy=False GETs of 2 MiB blocks went from 1.9-2.3 to 0.8-0.9 s
-    per GiB with it (perf/bench_tcp.py --quick, development VM)."""
+    first write, which cost more than the kernel's copy of the bytes."""
 
     def __init__(self, count_max: int = REPLY_BUFFERS_MAX, bytes_max: int = RECEIVE_SCRATCH_BYTES_MAX):
         self._buffers: list = []
@@ -380,7 +381,7 @@ class BlockClient(ClientBase):
         """Receive the block straight into ``buffer``; its size, or None on a
         miss (or a block that fails verification twice: the second time the
         daemon checks it too, as in :meth:`get_many`)."""
-        key = ops.check_key(key)
+        key = check_key(key)
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise ValueError("get_into needs a writable buffer")

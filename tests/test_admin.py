@@ -14,7 +14,7 @@ from daemon_proc import start_kvtierd
 from kvtier.client import BlockClient
 from kvtier.common.blockformat import HEADER_SIZE, encode_block, payload_of, verify_block
 from kvtier.common.keys import KVLayout, Namespace
-from kvtier.daemon.admin_models import KEYS_PER_REQUEST_MAX
+from kvtier.daemon.admin.models import KEYS_PER_REQUEST_MAX
 from kvtier.common.codec_ids import codec_id
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)

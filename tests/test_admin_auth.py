@@ -9,8 +9,8 @@ from starlette.testclient import TestClient
 from kvtier.client import BlockClient, RemoteError
 from kvtier.common.blockformat import encode_block
 from kvtier.daemon.admin import AdminServer, AdminServerError
-from kvtier.daemon.admin_routes import build_app
-from kvtier.daemon.admin_state import AdminStateView
+from kvtier.daemon.admin.app import build_app
+from kvtier.daemon.admin.view import AdminStateView
 from kvtier.daemon.config import DaemonConfig
 from kvtier.daemon.engine import Engine
 from kvtier.daemon.state import DaemonState

@@ -14,7 +14,7 @@ from kvtier.wire import connection as p
 from kvtier.wire import frames as f
 from kvtier.common.blockformat import HEADER_SIZE, decode_header, encode_block, verify_block
 from kvtier.common.keys import KVLayout, Namespace, chain_keys
-from kvtier.client import protocol_ops as ops
+from kvtier.client import transport_ops as ops
 
 from daemon_proc import device_map_of
 
@@ -246,6 +246,27 @@ def test_async_client(kvtierd):
             assert (await c.stats())["engine"]["blocks"] == 7
             assert await c.ping() > 0
     asyncio.run(run())
+
+
+def test_put_batches_are_split_into_frames_one_daemon_arena_holds():
+    """12 blocks of 2 MiB go out as frames of at most 16 MiB (received into pooled arenas,
+    not transient buffers); a block larger than that travels alone."""
+    big_key = b"\x03" * 16
+    big = encode_block(big_key, NS, 1, bytes(20 << 20))
+    items = [(bytes([i]) * 16, encode_block(bytes([i]) * 16, NS, 1, bytes((2 << 20) - 64))) for i in range(12)]
+    frames = next(ops.op_put_many(items + [(big_key, big)] + items[:1], False, None, p.DEFAULT_LIMITS))
+    sizes = [sum(len(b) for b in frame.blocks) for frame in frames]
+    assert sizes == [16 << 20, 8 << 20, len(big), 2 << 20]
+    assert all(s <= ops.PUT_FRAME_BYTES_TARGET for s in sizes if s != len(big))
+
+
+def test_the_clients_check_keys_with_the_protocols_writer():
+    from kvtier.client import block_client
+    from kvtier.wire import writers
+
+    assert block_client.check_key is writers.check_key and ops.check_key is writers.check_key
+    with pytest.raises(ValueError, match="a key must be 16 bytes, got 3"):
+        next(ops.op_get_many([b"abc"], None, p.DEFAULT_LIMITS))
 
 
 def test_zero_copy_reply_buffers_are_reused_only_once_every_view_is_gone():

@@ -60,16 +60,61 @@ def test_statistics_count_bytes_and_ops(engine):
     assert stats.total_connections == 1 and stats.errors == {} and stats.open_connections == 0
 
 
-def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
+def test_a_get_whose_block_outgrew_its_location_locates_it_again(engine):
     """Blocks are located, then read into the reply buffer; if a block changed
-    size in between (the engine refuses the too-small buffer), the GET is
-    answered by the copying path instead of failing."""
+    size in between (the engine refuses the too-small slot), the GET locates
+    the blocks again and is answered with the block as it is now."""
+    from kvtier.wire import connection as p
+    from kvtier.daemon.server.handler import RequestHandler
+    from kvtier.daemon.server.session import Session
+    from kvtier.daemon.server.stats import ServerStatsRecorder
+
+    keys = [bytes([3]) + i.to_bytes(15, "little") for i in range(3)]
+    blocks = [encode_block(k, NS, 0, os.urandom(5000 + i)) for i, k in enumerate(keys)]
+    grown = encode_block(keys[2], NS, 0, os.urandom(50_000))
+
+    class OutgrowingEngine:
+        def __init__(self, inner):
+            self._inner, self.calls = inner, 0
+
+        def locate_buffer(self, keys_buf):
+            rows = self._inner.locate_buffer(keys_buf)
+            if self.calls == 0:  # deleted and put again, larger, once it was located
+                self._inner.delete_many([keys[2]])
+                self._inner.put(grown)
+            return rows
+
+        def get_many_placed(self, keys, bufs, verify_payload=True):
+            self.calls += 1
+            return self._inner.get_many_placed(keys, bufs, verify_payload)
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    engine.put_many(blocks)
+    fake = OutgrowingEngine(engine)
+    handler = RequestHandler(fake, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict)
+    session = Session("test", greeted=True)
+    reply, close = handler.handle(p.Get(7, (keys[0], b"\x00" * 16, keys[2])), session)
+    assert fake.calls == 2 and not close and isinstance(reply, p.GetReply)
+    assert [None if b is None else bytes(b)[HEADER_SIZE:] for b in reply.blocks] == \
+        [blocks[0][HEADER_SIZE:], None, grown[HEADER_SIZE:]]
+    handler.buffers.reply_sent(session)
+    assert handler.buffers.statistics().lent == 0
+
+
+def test_a_get_the_engine_keeps_refusing_is_answered_with_its_error(engine):
+    """A block that outgrows its slot on every try: after GET_READ_TRIES the GET is
+    answered with the engine's refusal (the connection serves on) and holds nothing."""
     from kvtier.wire import connection as p
     from kvtier.daemon.engine import EngineError
-    from kvtier.daemon.server_handler import RequestHandler, Session
-    from kvtier.daemon.server_stats import ServerStatsRecorder
+    from kvtier.daemon.server.arenas import ReplyArenas
+    from kvtier.daemon.server.get_reply import GET_READ_TRIES
+    from kvtier.daemon.server.handler import RequestHandler
+    from kvtier.daemon.server.session import Session
+    from kvtier.daemon.server.stats import ServerStatsRecorder
 
-    class OutgrownEngine:
+    class RefusingEngine:
         def __init__(self, inner):
             self._inner, self.calls = inner, 0
 
@@ -80,21 +125,25 @@ def test_get_falls_back_to_copying_when_a_block_outgrew_its_location(engine):
         def __getattr__(self, name):
             return getattr(self._inner, name)
 
-    keys = [bytes([3]) + i.to_bytes(15, "little") for i in range(3)]
-    blocks = [encode_block(k, NS, 0, os.urandom(5000 + i)) for i, k in enumerate(keys)]
-    engine.put_many(blocks)
-    fake = OutgrownEngine(engine)
-    handler = RequestHandler(fake, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict)
-    reply, close = handler.handle(p.Get(7, (keys[0], b"\x00" * 16, keys[2])), Session("test", greeted=True))
-    assert fake.calls == 1 and not close and isinstance(reply, p.GetReply)
-    assert [None if b is None else bytes(b)[HEADER_SIZE:] for b in reply.blocks] == \
-        [blocks[0][HEADER_SIZE:], None, blocks[2][HEADER_SIZE:]]
+    key = bytes([3]) * 16
+    engine.put(encode_block(key, NS, 0, os.urandom(5000)))
+    fake = RefusingEngine(engine)
+    arenas = ReplyArenas(budget_bytes=0)  # a transient buffer each try
+    handler = RequestHandler(fake, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict, arenas)
+    session = Session("test", greeted=True)
+    reply, close = handler.handle(p.Get(7, (key,)), session)
+    assert fake.calls == GET_READ_TRIES and not close
+    assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.BAD_REQUEST and "too small" in reply.message
+    handler.buffers.reply_sent(session)
+    assert arenas.statistics().transient_bytes == 0
 
 
 def test_get_reply_blocks_land_in_the_connections_buffer(engine):
     from kvtier.wire import connection as p
-    from kvtier.daemon.server_handler import GET_ARENA_BYTES_MAX, RequestHandler, Session
-    from kvtier.daemon.server_stats import ServerStatsRecorder
+    from kvtier.daemon.server.arenas import GET_ARENA_BYTES_MAX
+    from kvtier.daemon.server.handler import RequestHandler
+    from kvtier.daemon.server.session import Session
+    from kvtier.daemon.server.stats import ServerStatsRecorder
 
     keys = [bytes([4]) + i.to_bytes(15, "little") for i in range(4)]
     blocks = [encode_block(k, NS, 0, os.urandom(300_000 + 999 * i)) for i, k in enumerate(keys)]
@@ -116,12 +165,13 @@ def test_get_reply_blocks_land_in_the_connections_buffer(engine):
 
 
 def test_get_reply_arenas_are_shared_within_one_daemon_wide_budget(engine):
-    """Two arenas allowed: a third GET in flight takes the copying path, and
-    an arena given back after its reply is sent is lent again, not added."""
+    """Two arenas allowed: a third GET in flight is read into a buffer of its own,
+    and an arena given back after its reply is sent is lent again, not added."""
     from kvtier.wire import connection as p
-    from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas
-    from kvtier.daemon.server_handler import RequestHandler, Session
-    from kvtier.daemon.server_stats import ServerStatsRecorder
+    from kvtier.daemon.server.arenas import GET_ARENA_BYTES_MAX, ReplyArenas
+    from kvtier.daemon.server.handler import RequestHandler
+    from kvtier.daemon.server.session import Session
+    from kvtier.daemon.server.stats import ServerStatsRecorder
 
     keys = [bytes([5]) + i.to_bytes(15, "little") for i in range(3)]
     blocks = [encode_block(k, NS, 0, os.urandom(70_000 + i)) for i, k in enumerate(keys)]
@@ -135,16 +185,16 @@ def test_get_reply_arenas_are_shared_within_one_daemon_wide_budget(engine):
     assert [s.get_arena is not None for s in sessions] == [True, True, False]
     assert all(b.obj is sessions[0].get_arena.obj for b in replies[0].blocks)
     assert not any(isinstance(b, memoryview) and b.obj in (sessions[0].get_arena.obj, sessions[1].get_arena.obj)
-                   for b in replies[2].blocks)  # copied, not read into an arena
+                   for b in replies[2].blocks)  # a buffer of its own, not an arena
     stats = arenas.statistics()
     assert (stats.created, stats.lent, stats.refused) == (2, 2, 1)
     first = sessions[0].get_arena
-    handler.reply_sent(sessions[0])
+    handler.buffers.reply_sent(sessions[0])
     assert sessions[0].get_arena is None
     reply, _ = handler.handle(p.Get(2, tuple(keys)), sessions[2])
     assert sessions[2].get_arena is first and reply.blocks[0].obj is first.obj
     for s in sessions:
-        handler.reply_sent(s)
+        handler.buffers.reply_sent(s)
     stats = arenas.statistics()
     assert (stats.created, stats.lent, stats.refused) == (2, 0, 1)
 
@@ -152,7 +202,7 @@ def test_get_reply_arenas_are_shared_within_one_daemon_wide_budget(engine):
 def test_idle_connections_hold_no_arena_and_busy_ones_stay_in_budget(engine):
     import threading
 
-    from kvtier.daemon.server_arenas import GET_ARENA_BYTES_MAX, ReplyArenas
+    from kvtier.daemon.server.arenas import GET_ARENA_BYTES_MAX, ReplyArenas
 
     keys = [bytes([6]) + i.to_bytes(15, "little") for i in range(8)]
     blocks = [encode_block(k, NS, 0, os.urandom(150_000 + i)) for i, k in enumerate(keys)]
@@ -193,12 +243,12 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
     of it a 1 MiB PUT waits for room, and is refused BUSY before its payload is received
     when none comes back in time (the connection serves on), or goes through once the others
     are done; a 3 MiB frame, more than the whole budget, is TOO_LARGE; GETs through the
-    copying path fit; every byte reserved is given back."""
+    buffer of their own fit; every byte reserved is given back."""
     import threading
 
     from kvtier.client import RemoteError
     from kvtier.wire import connection as p
-    from kvtier.daemon.server_arenas import ReplyArenas
+    from kvtier.daemon.server.arenas import ReplyArenas
 
     arenas = ReplyArenas(budget_bytes=0, transient_budget_bytes=5 << 19, transient_wait_s=30.0)
     server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20, reply_arenas=arenas)
@@ -221,7 +271,7 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
                 c.put_many(list(zip(keys, blocks)))  # one frame of 3 MiB
             assert too_large.value.code == p.ErrorCode.TOO_LARGE and "whole budget" in str(too_large.value)
             assert c.lookup(keys) == 2
-            got = c.get_many(keys[:2])  # copying path: 2 MiB reserved, then given back
+            got = c.get_many(keys[:2])  # no arena: 2 MiB reserved for a buffer of its own, then given back
             assert [g[HEADER_SIZE:] for g in got] == [b[HEADER_SIZE:] for b in blocks[:2]]
         server.stop()  # its connection threads are done: every reply_sent has run
         stats = arenas.statistics()
@@ -231,15 +281,16 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
         server.stop()
 
 
-def test_the_copying_path_reads_what_one_arena_holds_and_reserves_once(engine):
-    """With every arena lent, a GET is read as bytes a reply's worth at a time (not 64 blocks
-    to send 4); a block larger than an arena whose read fails over to the copying path gives
-    its first reservation back before the second is made."""
+def test_a_get_without_an_arena_reads_what_one_arena_holds_and_reserves_once(engine):
+    """With every arena lent, a GET reads a reply's worth at a time into a buffer of its own
+    (not 64 blocks to send 4); a block larger than an arena whose read is refused (it grew)
+    gives its first reservation back before the second is made."""
     from kvtier.wire import connection as p
     from kvtier.daemon.engine import EngineError
-    from kvtier.daemon.server_arenas import ReplyArenas
-    from kvtier.daemon.server_handler import RequestHandler, Session
-    from kvtier.daemon.server_stats import ServerStatsRecorder
+    from kvtier.daemon.server.arenas import ReplyArenas
+    from kvtier.daemon.server.handler import RequestHandler
+    from kvtier.daemon.server.session import Session
+    from kvtier.daemon.server.stats import ServerStatsRecorder
 
     class Counting:
         def __init__(self, inner, fail_placed=False):
@@ -250,7 +301,9 @@ def test_the_copying_path_reads_what_one_arena_holds_and_reserves_once(engine):
             return self._inner.get_many(keys)
 
         def get_many_placed(self, keys, bufs, verify_payload=True):
+            self.read_keys += len(keys)
             if self.fail_placed:
+                self.fail_placed = False
                 raise EngineError("the block grew since it was located")
             return self._inner.get_many_placed(keys, bufs, verify_payload)
 
@@ -266,7 +319,7 @@ def test_the_copying_path_reads_what_one_arena_holds_and_reserves_once(engine):
     session, got, asked = Session("test", greeted=True), {}, list(range(40))
     while asked:
         reply, _ = handler.handle(p.Get(1, tuple(keys[i] for i in asked)), session)
-        handler.reply_sent(session)
+        handler.buffers.reply_sent(session)
         got.update({i: bytes(b) for i, b in zip(asked, reply.blocks) if b is not p.DEFERRED})
         asked = [i for i, b in zip(asked, reply.blocks) if b is p.DEFERRED]
     assert [got[i][HEADER_SIZE:] for i in range(40)] == [b[HEADER_SIZE:] for b in blocks]
@@ -280,6 +333,6 @@ def test_the_copying_path_reads_what_one_arena_holds_and_reserves_once(engine):
     handler = RequestHandler(failing, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict, tight)
     reply, _ = handler.handle(p.Get(2, (big_key,)), session)
     assert isinstance(reply, p.GetReply) and len(reply.blocks[0]) == 1_500_000 + HEADER_SIZE
-    handler.reply_sent(session)
+    handler.buffers.reply_sent(session)
     stats = tight.statistics()
     assert (stats.transient_bytes, stats.transient_refused) == (0, 0)

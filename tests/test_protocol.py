@@ -6,6 +6,7 @@ import pytest
 
 from kvtier.wire import connection as p
 from kvtier.wire import frames as f
+from kvtier.wire import readers, state, writers
 from kvtier.common.blockformat import encode_block
 from kvtier.wire.events import TOKEN_BYTES_MAX
 
@@ -20,7 +21,7 @@ REQUESTS = [
     p.Lookup(3, (K1, K2), want_locations=True, ns_id=NS),
     p.Get(4, (K1, K2), ns_id=NS),
     p.Get(5, ()),
-    p.Get(6, (K2,), reader_verifies=True),
+    p.Get(15, (K2,), reader_verifies=True),
     p.Put(6, (K1, K2), (BLOCK1, BLOCK2), durable=True, ns_id=NS),
     p.Put(7, (K3,), (BLOCK1,)),
     p.Delete(8, (K1,)),
@@ -46,6 +47,21 @@ REPLIES = [
     p.PingReply(13, b"hello"),
     p.ErrorReply(14, p.ErrorCode.BAD_BLOCK, "PUT item 0: payload CRC mismatch"),
 ]
+ANSWERED = [  # the requests REPLIES answer, in order
+    p.Hello(1, "bench"),
+    p.Lookup(2, (K1, K2, K3)),
+    p.Lookup(3, (K1, K2), want_locations=True),
+    p.Get(4, (K1, K2, K3, K1)),
+    p.Get(5, ()),
+    p.Put(6, (K1, K2), (BLOCK1, BLOCK2)),
+    p.Delete(8, (K1,)),
+    p.Pin(9, (K1, K2)),
+    p.Unpin(10, (K2,)),
+    p.Flush(11),
+    p.Stats(12),
+    p.Ping(13, b"hello"),
+    p.Put(14, (K1,), (BLOCK1,)),
+]
 
 
 def normalize(msg):
@@ -70,6 +86,7 @@ def drain(conn):
 
 
 def feed(conn, wire, step):
+    """Every event ``wire`` gives, fed ``step`` bytes at a time."""
     events = []
     for i in range(0, len(wire), step):
         conn.receive_data(wire[i:i + step])
@@ -91,9 +108,13 @@ def test_every_request_round_trips(step):
 @pytest.mark.parametrize("step", [None, 1, 13])
 def test_every_reply_round_trips(step):
     client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    for request in ANSWERED:
+        client.send(request)
+    assert client.outstanding == len(ANSWERED)
     wire = b"".join(server.send(r) for r in REPLIES)
     events = feed(client, wire, step or len(wire))
     assert [normalize(e) for e in events] == [normalize(r) for r in REPLIES]
+    assert client.outstanding == 0
 
 
 def test_clean_end_of_stream_and_truncation():
@@ -116,6 +137,7 @@ def test_clean_end_of_stream_and_truncation():
 
 def test_zero_copy_payload_into_a_callers_buffer():
     client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    client.send(p.Get(4, (K2,)))
     wire = server.send(p.GetReply(4, (BLOCK2,)))
     header_and_meta = f.FRAME_HEADER_SIZE + 4
     client.receive_data(wire[:header_and_meta + 10])  # a little payload came with the header
@@ -259,10 +281,10 @@ def test_keys_with_zero_bytes_survive_the_vectorized_split():
         assert got.keys._keys is None and len(got.keys) == len(msg.keys)  # not split until someone needs them
         assert got == msg and all(type(k) is bytes and len(k) == 16 for k in got.keys)
         assert hash(got) == hash(msg) and got.keys[1:3] == msg.keys[1:3] and list(got.keys) == list(msg.keys)
-        assert msg.keys[-1] in got.keys and got.keys == f.PackedKeys(b"".join(msg.keys))
-    assert f.split_keys(NS + b"".join(keys[:2]), 16) == keys[:2] and f.split_keys(b"") == ()
+        assert msg.keys[-1] in got.keys and got.keys == readers.PackedKeys(b"".join(msg.keys))
+    assert readers.split_keys(NS + b"".join(keys[:2]), 16) == keys[:2] and readers.split_keys(b"") == ()
     with pytest.raises(ValueError):
-        f.PackedKeys(b"\x00" * 17)
+        readers.PackedKeys(b"\x00" * 17)
 
 
 def test_lookup_reply_encodes_any_object_with_location_fields():
@@ -272,13 +294,14 @@ def test_lookup_reply_encodes_any_object_with_location_fields():
             self.logical_offset, self.length, self.seq, self.sealed = logical_offset, length, seq, sealed
 
     client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    client.send(p.Lookup(5, (K1, K2), want_locations=True))
     client.receive_data(server.send(p.LookupReply(5, 1, (EngineLocation(1 << 40, 2 << 20, 99, False), None))))
     assert client.next_event() == p.LookupReply(5, 1, (p.Location(1 << 40, 2 << 20, 99, False), None))
 
 
 def test_location_records_encode_columns_like_location_objects():
     present = [True, False, True, True]
-    records = f.location_records(present, [1 << 40, 7, 4096, 0], [2 << 20, 7, 364, 1], [99, 7, 5, 2 ** 63],
+    records = writers.location_records(present, [1 << 40, 7, 4096, 0], [2 << 20, 7, 364, 1], [99, 7, 5, 2 ** 63],
                                  [False, True, True, True])
     as_objects = (p.Location(1 << 40, 2 << 20, 99, False), None, p.Location(4096, 364, 5, True),
                   p.Location(0, 1, 2 ** 63, True))
@@ -286,9 +309,10 @@ def test_location_records_encode_columns_like_location_objects():
     wire = server.send(p.LookupReply(6, 1, records))
     assert wire == p.Connection(p.Role.SERVER).send(p.LookupReply(6, 1, as_objects))  # the same bytes
     client = p.Connection(p.Role.CLIENT)
+    client.send(p.Lookup(6, (K1, K2, K3, K1), want_locations=True))
     client.receive_data(wire)
     assert client.next_event() == p.LookupReply(6, 1, as_objects)
-    assert len(f.location_records([], [], [], [], [])) == 0
+    assert len(writers.location_records([], [], [], [], [])) == 0
     with pytest.raises(ValueError):
         p.LocationRecords(b"\x00" * 23, 1)
 
@@ -325,26 +349,126 @@ def test_before_hello_only_a_hello_sized_frame_is_read(first, code, fragment):
 def test_after_hello_is_accepted_the_full_limits_apply(step):
     client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER, hello_first=True)
     hello = p.Hello(1, "n" * 256, "t" * TOKEN_BYTES_MAX)  # the largest valid HELLO fits the before-HELLO limit
-    wire = client.send(hello) + client.send(REQUESTS[5])
+    hello_wire = client.send(hello)
+    wire = hello_wire + client.send(REQUESTS[5])
     assert server.awaiting_hello
-    events = feed(server, wire[:len(client.send(hello))], step or len(wire))
+    events = feed(server, wire[:len(hello_wire)], step or len(wire))
     assert events == [hello] and server.awaiting_hello  # the server decides whether the HELLO succeeded
     server.hello_accepted()
     assert not server.awaiting_hello
-    events = feed(server, wire[len(client.send(hello)):], step or len(wire))
+    events = feed(server, wire[len(hello_wire):], step or len(wire))
     assert [normalize(e) for e in events] == [normalize(REQUESTS[5])]
     with pytest.raises(ValueError, match="server-side"):
         p.Connection(p.Role.CLIENT, hello_first=True)
 
 
-def test_put_batches_are_split_into_frames_one_daemon_arena_holds():
-    """12 blocks of 2 MiB go out as frames of at most 16 MiB (received into pooled arenas,
-    not transient buffers); a block larger than that travels alone."""
-    from kvtier.client import protocol_ops as ops
+# -- a client connection checks each reply against the request it answers ---
+def reply_wire(*replies) -> bytes:
+    server = p.Connection(p.Role.SERVER)
+    return b"".join(server.send(r) for r in replies)
 
-    big = encode_block(K3, NS, 1, bytes(20 << 20))
-    items = [(bytes([i]) * 16, encode_block(bytes([i]) * 16, NS, 1, bytes((2 << 20) - 64))) for i in range(12)]
-    frames = next(ops.op_put_many(items + [(K3, big)] + items[:1], False, None, p.DEFAULT_LIMITS))
-    sizes = [sum(len(b) for b in frame.blocks) for frame in frames]
-    assert sizes == [16 << 20, 8 << 20, len(big), 2 << 20]
-    assert all(s <= ops.PUT_FRAME_BYTES_TARGET for s in sizes if s != len(big))
+
+def client_after(*requests) -> p.Connection:
+    client = p.Connection(p.Role.CLIENT)
+    for request in requests:
+        client.send(request)
+    return client
+
+
+def feed_until_error(conn, wire, step):
+    """Feed ``wire`` ``step`` bytes at a time until the connection raises; the events before, and the error."""
+    events = []
+    with pytest.raises(p.ProtocolError) as info:
+        for i in range(0, len(wire), step):
+            conn.receive_data(wire[i:i + step])
+            while (event := conn.next_event()) is not p.NEED_DATA:
+                events.append(event)
+    assert info.value.fatal
+    with pytest.raises(p.ProtocolError, match="already failed"):
+        conn.next_event()
+    return events, info.value
+
+
+@pytest.mark.parametrize("step", [None, 1])
+@pytest.mark.parametrize("requests, replies, answered, fragment", [
+    ((p.Ping(1),), (p.PingReply(1), p.PingReply(1)), 1, "reply for request 1, but no request is awaiting"),
+    ((p.Ping(1), p.Ping(2), p.Ping(3)), (p.PingReply(7),), 0, "reply for request 7, expected 1 or one of the 2"),
+    ((), (p.FlushReply(4),), 0, "no request is awaiting a reply"),
+    ((p.Get(5, (K1,)),), (p.LookupReply(5, 0),), 0, "a LOOKUP reply for request 5, which was a GET"),
+    ((p.Stats(6), p.Flush(7)), (p.FlushReply(6),), 0, "a FLUSH reply for request 6, which was a STATS"),
+    ((p.Get(8, (K1, K2)),), (p.GetReply(8, (BLOCK1,)),), 0, "GET reply for request 8 has 1 items for 2"),
+    ((p.Put(9, (K1,), (BLOCK1,)),), (p.PutReply(9, (1, 2)),), 0, "PUT reply for request 9 has 2 items for 1"),
+    ((p.Delete(10, (K1, K2)),), (p.DeleteReply(10, (True,)),), 0, "has 1 items for 2"),
+    ((p.Lookup(11, (K1, K2)),), (p.LookupReply(11, 3),), 0, "counts 3 leading keys of a request of 2"),
+    ((p.Lookup(12, (K1,)),), (p.LookupReply(12, 1, (None,)),), 0, "carries the locations the request did not"),
+    ((p.Lookup(13, (K1,), want_locations=True),), (p.LookupReply(13, 1),), 0, "lacks the locations the request"),
+    ((p.Lookup(14, (K1, K2), want_locations=True),), (p.LookupReply(14, 1, (None,)),), 0, "1 locations for 2 keys"),
+])
+def test_a_reply_that_answers_no_outstanding_request_is_a_protocol_error(step, requests, replies, answered,
+                                                                         fragment):
+    client = client_after(*requests)
+    wire = reply_wire(*replies)
+    events, error = feed_until_error(client, wire, step or len(wire))
+    assert len(events) == answered and fragment in str(error), str(error)
+    assert error.request_id == replies[answered].request_id
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_a_mismatched_reply_is_refused_from_its_header_before_its_payload(step):
+    client = client_after(p.Get(1, (K1, K2)))
+    wire = reply_wire(p.GetReply(1, (BLOCK2,)))
+    with pytest.raises(p.ProtocolError, match="1 items for 2"):
+        feed(client, wire[:f.FRAME_HEADER_SIZE], step or f.FRAME_HEADER_SIZE)
+    assert client.pending_head is None and client.payload_view() is None
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_an_error_reply_answers_any_request_and_id_0_none(step):
+    client = client_after(p.Get(1, (K1, K2)), p.Lookup(2, (K1,), want_locations=True), p.Ping(3))
+    errors = [p.ErrorReply(2, p.ErrorCode.BAD_REQUEST, "for the lookup"),
+              p.ErrorReply(0, p.ErrorCode.BUSY, "connection-level"),
+              p.ErrorReply(1, p.ErrorCode.NO_SPACE, "for the get")]
+    wire = reply_wire(*errors, p.PingReply(3))
+    assert [normalize(e) for e in feed(client, wire, step or len(wire))] == \
+        [normalize(e) for e in errors] + [p.PingReply(3)]
+    assert client.outstanding == 0
+    client.receive_data(reply_wire(p.ErrorReply(2, p.ErrorCode.BAD_REQUEST, "answered already")))
+    with pytest.raises(p.ProtocolError, match="reply for request 2, but no request is awaiting"):
+        client.next_event()
+
+
+def test_replies_come_back_in_any_order_and_each_request_once():
+    client = client_after(p.Ping(1, b"a"), p.Flush(2), p.Lookup(3, (K1, K2)))
+    client.receive_data(reply_wire(p.LookupReply(3, 2), p.PingReply(1, b"a"), p.FlushReply(2)))
+    assert drain(client)[0] == [p.LookupReply(3, 2), p.PingReply(1, b"a"), p.FlushReply(2)]
+    with pytest.raises(ValueError, match="request id 4 is already awaiting its reply"):
+        client_after(p.Ping(4)).send(p.Flush(4))
+    client.send(p.Ping(1))  # answered: the id may be used again
+    assert client.outstanding == 1
+
+
+def test_an_unchecked_client_takes_every_reply_as_it_comes():
+    client = p.Connection(p.Role.CLIENT, check_replies=False)
+    wire = reply_wire(*REPLIES)
+    assert [normalize(e) for e in feed(client, wire, len(wire))] == [normalize(r) for r in REPLIES]
+    assert client.outstanding == 0
+    client.send(p.Ping(1))
+    client.send(p.Ping(1))  # nothing is recorded
+
+
+# -- the transition table --------------------------------------------------
+def test_the_transition_table_is_complete_and_final_states_are_final():
+    every_state = set(state.Receive) | set(state.Admission)
+    assert set(state.TRANSITIONS) == every_state
+    assert state.TRANSITIONS[state.Receive.CLOSED] == {} and state.TRANSITIONS[state.Receive.BROKEN] == {}
+    targets = {target for row in state.TRANSITIONS.values() for target in row.values()}
+    assert targets == every_state - {state.Admission.AWAITING_HELLO}  # every state but the start is reachable
+    used = {what for row in state.TRANSITIONS.values() for what in row}
+    assert used == set(state.Input)
+    machine = state.ConnectionState()
+    with pytest.raises(RuntimeError, match="no transition from HEADER on PAYLOAD_SKIPPED"):
+        machine.process(state.Input.PAYLOAD_SKIPPED)
+    for what in (state.Input.HEADER_READ, state.Input.META_READ, state.Input.PAYLOAD_REFUSED,
+                 state.Input.PAYLOAD_SKIPPED, state.Input.END_OF_STREAM):
+        machine.process(what)
+    assert machine.receive is state.Receive.CLOSED and machine.admission is state.Admission.OPEN

@@ -88,9 +88,6 @@ class AdminClient:
     def devices(self) -> dict:
         return self.request("GET", "/v1/devices")
 
-    def metrics_text(self) -> str:
-        return self.request("GET", "/metrics", expect_json=False).decode()
-
     def block_info(self, key: bytes) -> dict | None:
         try:
             return self.request("GET", f"/v1/blocks/{key.hex()}")

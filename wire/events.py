@@ -1,8 +1,10 @@
 """Data-protocol vocabulary: ops, error codes, limits, messages, exceptions.
 
-Pure: no I/O. Every message is a frozen dataclass; the framing lives in
-:mod:`kvtier.wire.frames` and the state machine in
-:mod:`kvtier.wire.connection`. ``docs/protocol.md`` describes the bytes.
+Pure: no I/O. Every message is a frozen dataclass; the bytes are
+:mod:`kvtier.wire.frames` (layout), :mod:`kvtier.wire.readers` and
+:mod:`kvtier.wire.writers`, the states :mod:`kvtier.wire.state`, and
+:mod:`kvtier.wire.connection` puts them together. ``docs/protocol.md``
+describes the bytes.
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ class ConnectionLost(ClientError):
 
 
 # -- requests ---------------------------------------------------------------
-# Batch requests as received carry their keys as protocol_frames.PackedKeys:
+# Batch requests as received carry their keys as kvtier.wire.readers.PackedKeys:
 # a sequence of the 16-byte keys that compares equal to the tuple of them.
 @dataclass(frozen=True)
 class Hello:
@@ -207,7 +209,7 @@ class Location:
 @dataclass(frozen=True)
 class LocationRecords:
     """LOOKUP reply locations already in their wire form: ``count`` 24-byte
-    records (see ``protocol_frames.location_records``), for a sender that has
+    records (see ``kvtier.wire.writers.location_records``), for a sender that has
     them as columns -- no object per key. Received replies always carry a
     tuple of :class:`Location` / None instead."""
 

@@ -29,7 +29,7 @@ def sendmsg_all(sock: socket.socket, parts) -> int:
 
 
 RECV_CHUNK_BYTES = 64 << 10  # frame headers and small frames (payloads land in their buffer); under
-# glibc's mmap threshold: a 256 KiB recv() costs an mmap + munmap per call (~20 us)
+# glibc's mmap threshold, above which every recv() buffer is an mmap + munmap
 
 
 def receive_some(sock: socket.socket, conn) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.daemon.admin_state import AdminStateView
+from kvtier.daemon.admin.view import AdminStateView
 
 
 def ratio(part: float, whole: float) -> float | None:

@@ -11,11 +11,11 @@
                                         |   /v1/config                 |
                                         +------------------------------+
 
-The routes live in :mod:`kvtier.daemon.admin_routes`; this module owns only the
-listening socket and the thread. The socket is bound here, before uvicorn
-starts, so :meth:`AdminServer.start` knows and returns the real address (port 0
-picks a free one) and a client that connects at once waits in the backlog
-instead of being refused.
+The app lives in :mod:`.app`; this module owns only the listening socket and
+the thread. The socket is bound here, before uvicorn starts, so
+:meth:`AdminServer.start` knows and returns the real address (port 0 picks a
+free one) and a client that connects at once waits in the backlog instead of
+being refused.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import threading
 
 import uvicorn
 
-from kvtier.daemon.admin_auth import is_loopback_host
-from kvtier.daemon.admin_routes import build_app
-from kvtier.daemon.admin_state import AdminStateView
+from kvtier.daemon.admin.auth import is_loopback_host
+from kvtier.daemon.admin.app import build_app
+from kvtier.daemon.admin.view import AdminStateView
 
 log = logging.getLogger("kvtier.admin")
 

@@ -10,9 +10,9 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvtier.common.blockformat import BlockFormatError, verify_block
-from kvtier.daemon.admin_errors import error_response
-from kvtier.daemon.admin_models import EvictRequest, KeySelection, key_from_hex
-from kvtier.daemon.admin_state import AdminStateView
+from kvtier.daemon.admin.errors import error_response
+from kvtier.daemon.admin.models import EvictRequest, KeySelection, key_from_hex
+from kvtier.daemon.admin.view import AdminStateView
 from kvtier.common.codec_ids import codec_name
 
 BLOCK_UPLOAD_BYTES_MAX = 1 << 30  # a block must fit one region; regions are at most this big

@@ -1,17 +1,20 @@
-"""Client operations as sans-IO generators, shared by the sync and async clients.
+"""The client transport's operations: each client call as a sans-IO generator
+of request frames, shared by the blocking and the asyncio clients.
 
 Each op is a generator that yields a list of request messages (request ids
 are filled in by the driver), receives the list of replies in the same order,
 and finally returns the op's result. The driver does the I/O: it pipelines a
 yielded list on one connection and sends the replies back in. Splitting a
 batch into frames that fit the limits, and asking again for GET items the
-daemon deferred, happen here once for both clients.
+daemon deferred, happen here once for both clients; the protocol package
+(:mod:`kvtier.wire`) encodes and checks single frames and does neither.
 """
 from __future__ import annotations
 
 from typing import Generator, Sequence
 
 from kvtier.wire import connection as p
+from kvtier.wire.writers import check_key
 from kvtier.common.blockformat import BlockFormatError, verify_block
 
 Op = Generator[list, list, object]
@@ -20,13 +23,6 @@ Op = Generator[list, list, object]
 def _chunks(seq: Sequence, size: int):
     for start in range(0, len(seq), size):
         yield seq[start:start + size]
-
-
-def check_key(key) -> bytes:
-    key = bytes(key)
-    if len(key) != p.KEY_SIZE:
-        raise ValueError(f"a key must be {p.KEY_SIZE} bytes, got {len(key)}")
-    return key
 
 
 def op_lookup(keys: Sequence[bytes], ns_id, want_locations: bool, limits: p.Limits) -> Op:
@@ -93,7 +89,8 @@ def verify_ok(block, key: bytes) -> bool:
 
 
 PUT_FRAME_BYTES_TARGET = 16 << 20  # the daemon receives a PUT payload up to this into a pooled arena; a larger
-# one takes a transient buffer from a smaller budget (BUSY when spent). Frames are pipelined: nothing lost.
+# one takes a transient buffer from a smaller budget (BUSY when spent). Frames are pipelined, so
+# splitting adds no round trip.
 
 
 def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, limits: p.Limits) -> Op:

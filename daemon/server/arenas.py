@@ -2,17 +2,18 @@
 
 A PUT's payload is received into a page-aligned arena (the engine copies the
 blocks out), and a GET's blocks are read straight into one and sent from it
-(see :meth:`RequestHandler._get`). Arenas are lent per request: a connection
-borrows one and gives it back once the reply is sent, so idle connections
-hold none and the daemon never keeps more than ``budget_bytes`` of them,
-however many connections are open. When every arena the budget allows is
-lent out, a PUT payload gets a buffer of its own and a GET is answered by the
-copying path (blocks returned by the engine as bytes), both freed once sent.
-Those buffers, and those for requests larger than an arena, are *transient*
-and have a daemon-wide budget of their own: a request that finds it spent
-waits (on a condition, up to ``transient_wait_s``) for others to give room
-back, and is refused with BUSY only then -- instead of many large frames on
-many connections exhausting the daemon's memory.
+(see :mod:`.get_reply`). Arenas are lent per request: a connection borrows
+one and gives it back once the reply is sent, so idle connections hold none
+and the daemon never keeps more than ``budget_bytes`` of them, however many
+connections are open. When every arena the budget allows is lent out, a
+request gets a buffer of its own (a PUT's payload is received into it, a
+GET's blocks are read into it as into an arena), freed once sent. Those
+buffers, and those for requests larger than an arena, are *transient* and
+have a daemon-wide budget of their own: a request that finds it spent waits
+(on a condition, up to ``transient_wait_s``) for others to give room back,
+and is refused with BUSY only then -- instead of many large frames on many
+connections exhausting the daemon's memory. :mod:`.request_buffers` lends
+them to requests.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from kvtier.common.aligned import aligned_buffer
 GET_ARENA_BYTES_MAX = (16 << 20) + (64 << 10)  # one arena: a GET reply or PUT payload of 8 blocks of 2 MiB
 # (each block read with its aligned range: up to 8 KiB more); a larger one gets a buffer of its own, freed
 # once handled (transient)
-GET_ARENAS_BYTES_MAX = 32 * GET_ARENA_BYTES_MAX  # all arenas of the daemon together (32 requests in flight
-# without a copy); without a shared budget, 1024 connections would keep 16 GiB
+GET_ARENAS_BYTES_MAX = 32 * GET_ARENA_BYTES_MAX  # all arenas of the daemon together: 32 requests in flight
+# in arenas, however many connections are open
 TRANSIENT_BYTES_MAX = 1 << 30  # request buffers outside the arenas, all connections together
 TRANSIENT_WAIT_S = 2.0  # a request waits this long for transient room before BUSY: a few large replies' worth
 
@@ -36,7 +37,7 @@ class ReplyArenaStatistics:
     budget_bytes: int
     created: int  # arenas allocated so far (kept for reuse): never more than budget_bytes / arena_bytes
     lent: int  # arenas borrowed by a request right now
-    refused: int  # requests that found the budget spent (a buffer of their own, or the copying GET path)
+    refused: int  # requests that found the budget spent (they got a buffer of their own)
     transient_bytes: int  # request buffers outside the arenas right now
     transient_budget_bytes: int
     transient_refused: int  # requests refused with BUSY: the transient budget stayed spent for transient_wait_s

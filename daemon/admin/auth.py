@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import HTTPException, Request
 
-from kvtier.daemon.admin_state import AdminStateView
+from kvtier.daemon.admin.view import AdminStateView
 from kvtier.daemon.config import is_loopback as is_loopback_host
 
 AUTH_SCHEME = "bearer"

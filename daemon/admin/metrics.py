@@ -22,8 +22,8 @@ from typing import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.daemon.admin_state import AdminStateView
-from kvtier.daemon.admin_stats import derived_figures, ratio
+from kvtier.daemon.admin.view import AdminStateView
+from kvtier.daemon.admin.stats import derived_figures, ratio
 
 WARM_TIER = "warm"  # the daemon's own flash; the hot tier lives in the client, cold upstream
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from kvtier.common.keys import KEY_SIZE_BYTES, KV_DTYPES, KVLayout, Namespace
 
-KEYS_PER_REQUEST_MAX = 65536  # one pin/evict call stays a bounded batch (1 MiB of hex)
+KEYS_PER_REQUEST_MAX = 65536  # one pin/evict call stays a bounded batch (1 MiB of keys)
 TOKENS_PER_REQUEST_MAX = 4 << 20  # a 4M-token prefix is far past any context window
 NAMESPACE_FIELD_CHARS_MAX = 1024  # model names and salts are short; bound the hashing work
 

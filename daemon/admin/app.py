@@ -1,0 +1,48 @@
+"""The admin API app (FastAPI). Served by :class:`.http_server.AdminServer`.
+
+=======  ===========================  =================================================
+GET      /healthz                     alive (no auth)
+GET      /readyz                      devices open and index recovered: 200, else 503 (no auth)
+GET      /v1/stats                    engine, server, per-tier and per-namespace figures
+GET      /v1/blocks/{key}             present?, size, codec, region, pinned, last access
+GET      /v1/blocks/{key}/data        the stored block (64-byte header + payload), as stored
+PUT      /v1/blocks/{key}/data        store a block (body: header + payload; ?durable=true)
+POST     /v1/lookup                   how many leading keys of a chain are present
+POST     /v1/pin, /v1/unpin           keys, or namespace + tokens
+POST     /v1/evict                    keys, a namespace, or all
+GET      /v1/config                   effective config, secrets redacted
+GET      /v1/devices                  device ids (superblocks) and local paths, stripe order
+GET      /metrics                     Prometheus text exposition (or OpenMetrics)
+=======  ===========================  =================================================
+
+Every error is JSON (:mod:`.errors`); auth is :mod:`.auth`; the health, stats,
+config and metrics routes are :mod:`.routes`, the block routes :mod:`.blocks`.
+Block routes answer 503 while the daemon is not ready (starting, or draining
+on SIGTERM).
+"""
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI, HTTPException
+
+from kvtier.daemon.admin.auth import make_auth_dependency
+from kvtier.daemon.admin.blocks import blocks_router
+from kvtier.daemon.admin.errors import install_error_handlers
+from kvtier.daemon.admin.routes import node_router
+from kvtier.daemon.admin.view import AdminStateView
+
+
+def build_app(view: AdminStateView) -> FastAPI:
+    """The admin FastAPI app over one daemon's state."""
+    app = FastAPI(title="kvtierd admin API", version="1",
+                  description="Health, statistics, per-block info, pin/unpin, evict, config and "
+                              "Prometheus metrics of one kvtierd storage node.")
+    install_error_handlers(app)
+    auth = [Depends(make_auth_dependency(view))]
+
+    def require_ready() -> None:
+        if not view.ready():
+            raise HTTPException(503, "kvtierd is not ready (starting, recovering or shutting down)")
+
+    app.include_router(node_router(view, auth))
+    app.include_router(blocks_router(view, auth + [Depends(require_ready)]))
+    return app

@@ -1,0 +1,138 @@
+"""One data connection, served on its own thread with a blocking socket around the sans-IO protocol.
+
+Payloads are received with ``recv_into`` into a buffer sized from the frame
+header (after its limits are checked) and replies sent with ``sendmsg`` of
+header + memoryviews. A request's payload (PUT) and its reply's blocks (GET)
+live in a buffer the request borrows (:mod:`.request_buffers`) and gives
+back once the reply is sent.
+
+Before its HELLO succeeds a connection is read under the before-HELLO rule
+(``Connection(hello_first=True)``: one HELLO-sized frame, nothing allocated
+for anything else) and must say HELLO within ``hello_timeout_s`` of opening,
+so unauthenticated peers cost neither memory nor, for long, a connection slot.
+An idle connection wakes when the server stops; a busy one finishes the
+requests already received first.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import time
+
+from kvtier.daemon.server.closing import linger, send_error_quietly
+from kvtier.daemon.server.handler import RequestHandler
+from kvtier.daemon.server.session import Session
+from kvtier.daemon.server.stats import ServerStatsRecorder
+from kvtier.daemon.server.stop_signal import StopSignal
+from kvtier.wire import connection as p
+from kvtier.wire.sockets import receive_some, sendmsg_all
+
+log = logging.getLogger("kvtier.daemon.server")
+
+
+class ConnectionLoop:
+    """Serves connections of one data server, one :meth:`serve` call per connection."""
+
+    def __init__(self, handler: RequestHandler, recorder: ServerStatsRecorder, limits: p.Limits, stop: StopSignal,
+                 frame_timeout_s: float, hello_timeout_s: float):
+        self._handler = handler
+        self._buffers = handler.buffers
+        self._recorder = recorder
+        self._limits = limits
+        self._stop = stop
+        self._frame_timeout_s = frame_timeout_s
+        self._hello_timeout_s = hello_timeout_s
+
+    def serve(self, sock: socket.socket, peer: str) -> None:
+        """Serve one connection until it closes, fails or the server stops; then close it."""
+        conn = p.Connection(p.Role.SERVER, self._limits, hello_first=True)
+        session = Session(peer)
+        log.debug("event=connection_open peer=%s", peer)
+        try:
+            self._serve_requests(sock, conn, session, time.monotonic() + self._hello_timeout_s)
+        except p.ProtocolError as exc:
+            log.warning("event=protocol_error peer=%s code=%s error=%s", peer, exc.code.name, exc)
+            self._recorder.error(exc.code.name)
+            send_error_quietly(sock, conn, exc.request_id, exc.code, str(exc))
+        except socket.timeout:
+            self._recorder.error(p.ErrorCode.TIMEOUT.name)
+            if conn.awaiting_hello:
+                log.warning("event=hello_timeout peer=%s timeout_s=%s", peer, self._hello_timeout_s)
+                message = f"no HELLO within {self._hello_timeout_s} s of connecting"
+            else:
+                log.warning("event=frame_timeout peer=%s timeout_s=%s", peer, self._frame_timeout_s)
+                message = f"connection stalled mid-frame for {self._frame_timeout_s} s"
+            send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT, message)
+        except OSError as exc:
+            log.info("event=connection_error peer=%s error=%s", peer, exc)
+        except Exception:  # never let one connection take the daemon down
+            log.exception("event=connection_crashed peer=%s", peer)
+            self._recorder.error(p.ErrorCode.INTERNAL.name)
+        finally:
+            self._buffers.reply_sent(session)  # a buffer lent to a reply that failed to go out
+            sock.close()
+            self._recorder.connection_closed()
+            log.debug("event=connection_closed peer=%s", peer)
+
+    def _serve_requests(self, sock: socket.socket, conn: p.Connection, session: Session,
+                        hello_deadline: float) -> None:
+        handler, buffers, recorder = self._handler, self._buffers, self._recorder
+        placed = None
+        received_before = 0
+        while True:
+            event = conn.next_event()
+            if event is p.NEED_DATA:
+                wait_s = None
+                if conn.awaiting_hello:  # one deadline for the whole HELLO, however the bytes trickle in
+                    wait_s = hello_deadline - time.monotonic()
+                    if wait_s <= 0:
+                        raise socket.timeout("no HELLO before the deadline")
+                    sock.settimeout(min(wait_s, self._frame_timeout_s))
+                if not conn.in_frame and not self._wait_for_request(sock, wait_s):
+                    return
+                head = conn.pending_head
+                refused = None
+                if head is not None and head is not placed:
+                    placed = head  # an arena if it fits and one is free; else a transient buffer, budget permitting
+                    buffer = buffers.payload_buffer(session, head.payload_len)
+                    if buffer is not None:
+                        conn.set_payload_buffer(buffer)
+                    elif (why := buffers.admit_payload(session, head.payload_len)) is not None:
+                        refused = conn.reject_payload(*why)
+                if refused is not None:
+                    sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
+                    recorder.request_done("rejected", 0.0, 0, sent)
+                    continue
+                receive_some(sock, conn)
+                continue
+            if event is p.CONNECTION_CLOSED:
+                return
+            started = time.perf_counter()
+            reply, close_after = handler.handle(event, session)
+            try:
+                sent = sendmsg_all(sock, conn.send_parts(reply))
+            finally:
+                buffers.reply_sent(session)
+            if conn.awaiting_hello and session.greeted:
+                conn.hello_accepted()  # the full limits from the next frame on
+                sock.settimeout(self._frame_timeout_s)
+            op = type(event).__name__.lower() if not isinstance(event, p.Rejected) else "rejected"
+            recorder.request_done(op, time.perf_counter() - started, conn.bytes_received - received_before, sent)
+            received_before = conn.bytes_received  # pipelined frames already buffered count for the next one
+            if close_after:
+                log.warning("event=connection_closed_by_server peer=%s reason=%s", session.peer,
+                            getattr(reply, "message", ""))
+                linger(sock)
+                return
+
+    def _wait_for_request(self, sock: socket.socket, timeout_s: float | None) -> bool:
+        """Block until the idle connection has bytes (True) or we stop (False);
+        socket.timeout after ``timeout_s`` (None: wait as long as it takes)."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.register(self._stop.fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(None if timeout_s is None else max(1, int(timeout_s * 1000)))}
+        if not ready:
+            raise socket.timeout(f"idle for {timeout_s} s")
+        return self._stop.fd not in ready and not self._stop.is_set()

@@ -1,0 +1,175 @@
+"""Turns decoded data-protocol requests into engine calls and replies.
+
+No sockets here: :class:`RequestHandler.handle` takes a request message and a
+per-connection :class:`.session.Session` and returns ``(reply, close_after)``.
+Engine failures become error replies naming the problem; they never escape to
+the connection loop as anything but a logged internal error. GET is answered
+by :mod:`.get_reply`; the buffers requests borrow are lent by
+:mod:`.request_buffers`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Callable
+
+import numpy as np
+
+from kvtier.common.blockformat import BlockFormatError, decode_header
+from kvtier.common.tokens import token_matches
+from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, NoSpaceError
+from kvtier.daemon.server.arenas import ReplyArenas
+from kvtier.daemon.server.get_reply import GetReplies, packed_keys
+from kvtier.daemon.server.request_buffers import RequestBuffers, TransientBudgetSpent
+from kvtier.daemon.server.session import Session
+from kvtier.wire import connection as p
+from kvtier.wire.writers import location_records
+
+log = logging.getLogger("kvtier.daemon.server")
+
+# engine exceptions other than NoSpace, each with the code the client gets
+ENGINE_ERROR_CODES = ((BlockTooLargeError, p.ErrorCode.TOO_LARGE), (DeviceError, p.ErrorCode.DEVICE_ERROR),
+                      (EngineError, p.ErrorCode.BAD_REQUEST))
+
+
+def geometry_doc(geometry) -> dict:
+    return {"device_ids": list(geometry.device_ids), "stripe_size_bytes": geometry.stripe_size_bytes,
+            "data_offset_bytes": geometry.data_offset_bytes, "device_data_bytes": geometry.device_data_bytes}
+
+
+class RequestHandler:
+    def __init__(self, engine, stats, token: Callable[[], str | None], region_size_bytes: int,
+                 limits: p.Limits, server_statistics: Callable[[], dict], arenas: ReplyArenas | None = None):
+        self._engine = engine
+        self._stats = stats
+        self._token = token
+        self._region_size_bytes = region_size_bytes
+        self._limits = limits
+        self._server_statistics = server_statistics
+        self.buffers = RequestBuffers(arenas if arenas is not None else ReplyArenas())
+        self._gets = GetReplies(engine, self.buffers, limits, stats)
+        self._dispatch = {
+            p.Hello: self._hello, p.Lookup: self._lookup, p.Get: self._get, p.Put: self._put,
+            p.Delete: self._delete, p.Pin: self._pin, p.Unpin: self._unpin, p.Flush: self._flush,
+            p.Stats: self._stats_reply, p.Ping: self._ping,
+        }
+
+    def handle(self, msg, session: Session):
+        """``(reply, close_after)`` for one request or Rejected event."""
+        if not session.greeted and not isinstance(msg, p.Hello):
+            # The server's Connection lets nothing but HELLO frames through before this; a HELLO it
+            # refused (malformed, over its limits) ends the connection like any other first frame.
+            code, why = (msg.code, msg.message) if isinstance(msg, p.Rejected) else \
+                (p.ErrorCode.AUTH, f"got {type(msg).__name__}")
+            self._stats.error(code.name)
+            return p.ErrorReply(msg.request_id, code, f"the first frame must be a valid HELLO ({why}); closing"), True
+        if isinstance(msg, p.Rejected):
+            self._stats.error(msg.code.name)
+            return p.ErrorReply(msg.request_id, msg.code, msg.message), False
+        token = self._token()
+        if token is not None and not session.authenticated and not isinstance(msg, p.Hello):
+            self._stats.error(p.ErrorCode.AUTH.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.AUTH, "authenticate with HELLO and the token first"), True
+        try:
+            return self._dispatch[type(msg)](msg, session, token)
+        except TransientBudgetSpent as exc:
+            self._stats.error(p.ErrorCode.BUSY.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.BUSY, str(exc)), False
+        except NoSpaceError as exc:
+            self._stats.error(p.ErrorCode.NO_SPACE.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.NO_SPACE, f"no space: {exc}"), False
+        except BlockFormatError as exc:
+            self._stats.error(p.ErrorCode.BAD_BLOCK.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.BAD_BLOCK, str(exc)), False
+        except EngineError as exc:
+            code = next(code for kind, code in ENGINE_ERROR_CODES if isinstance(exc, kind))
+            self._stats.error(code.name)
+            return p.ErrorReply(msg.request_id, code, str(exc)), False
+        except Exception as exc:  # a bug or a device failure: this request fails, the daemon serves on
+            log.exception("event=internal_error peer=%s op=%s", session.peer, type(msg).__name__)
+            self._stats.error(p.ErrorCode.INTERNAL.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"), False
+
+    def hello_info(self) -> dict:
+        return {
+            "server": "kvtierd", "protocol_version": p.PROTOCOL_VERSION,
+            "auth_required": self._token() is not None, "features": [p.FEATURE_GET_READER_VERIFIES],
+            "geometry": geometry_doc(self._engine.geometry),
+            "region_size_bytes": self._region_size_bytes,
+            "limits": {"batch_count_max": self._limits.batch_count_max, "meta_bytes_max": self._limits.meta_bytes_max,
+                       "payload_bytes_max": self._limits.payload_bytes_max,
+                       "block_bytes_max": self._limits.block_bytes_max},
+        }
+
+    def _hello(self, msg: p.Hello, session: Session, token):
+        session.client_name = msg.client_name
+        if token is not None:
+            if not token_matches(msg.token, token):
+                self._stats.error(p.ErrorCode.AUTH.name)
+                log.warning("event=auth_failed peer=%s client=%r", session.peer, msg.client_name)
+                reason = "missing token" if not msg.token else "wrong token"
+                return p.ErrorReply(msg.request_id, p.ErrorCode.AUTH, f"authentication failed: {reason}"), True
+            session.authenticated = True
+        session.greeted = True
+        return p.HelloReply(msg.request_id, self.hello_info()), False
+
+    def _lookup(self, msg: p.Lookup, session, token):
+        """The keys go to the engine as the one buffer they came in, and
+        locations come back as columns that are encoded in one pass: nothing
+        is done per key in Python."""
+        keys = packed_keys(msg.keys)
+        if msg.want_locations:
+            rows = self._engine.locate_buffer(keys)
+            found = rows["found"]
+            leading = int(len(found) if found.all() else np.argmin(found))
+            locations = location_records(found, rows["logical_offset"], rows["length"], rows["seq"],
+                                                rows["sealed"])
+            reply = p.LookupReply(msg.request_id, leading, locations)
+        else:
+            leading = self._engine.lookup_buffer(keys)
+            reply = p.LookupReply(msg.request_id, leading)
+        self._stats.lookup(len(msg.keys), leading)
+        self._stats.namespace(msg.ns_id, leading, len(msg.keys) - leading)
+        return reply, False
+
+    def _get(self, msg: p.Get, session: Session, token):
+        return self._gets.reply(msg, session), False
+
+    def _put(self, msg: p.Put, session, token):
+        """Headers and keys are checked here (naming the item); the engine
+        verifies every payload CRC before it stores any block of the batch."""
+        for index, (key, block) in enumerate(zip(msg.keys, msg.blocks)):
+            try:
+                header = decode_header(block)
+                if header.key != bytes(key):
+                    raise BlockFormatError(f"block key {header.key.hex()} is not the item's key")
+                if header.block_size != len(block):
+                    raise BlockFormatError(f"block is {len(block)} bytes, its header says {header.block_size}")
+            except BlockFormatError as exc:
+                self._stats.error(p.ErrorCode.BAD_BLOCK.name)
+                return p.ErrorReply(msg.request_id, p.ErrorCode.BAD_BLOCK,
+                                    f"PUT item {index} (key {bytes(key).hex()}): {exc}; nothing stored"), False
+        seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable)
+        return p.PutReply(msg.request_id, tuple(seqs)), False
+
+    def _delete(self, msg: p.Delete, session, token):
+        return p.DeleteReply(msg.request_id, tuple(self._engine.delete_many(list(msg.keys)))), False
+
+    def _pin(self, msg: p.Pin, session, token):
+        return p.PinReply(msg.request_id, tuple(self._engine.pin_many(list(msg.keys)))), False
+
+    def _unpin(self, msg: p.Unpin, session, token):
+        return p.UnpinReply(msg.request_id, tuple(self._engine.unpin_many(list(msg.keys)))), False
+
+    def _flush(self, msg: p.Flush, session, token):
+        self._engine.flush()
+        return p.FlushReply(msg.request_id), False
+
+    def _stats_reply(self, msg: p.Stats, session, token):
+        engine_stats = self._engine.statistics()
+        doc = {"server": self._server_statistics(), "engine": asdict(engine_stats),
+               "buffers": asdict(self.buffers.statistics()), "geometry": geometry_doc(self._engine.geometry)}
+        return p.StatsReply(msg.request_id, doc), False
+
+    def _ping(self, msg: p.Ping, session, token):
+        return p.PingReply(msg.request_id, msg.data), False
