@@ -163,7 +163,8 @@ def test_targets():
     p = parse_targets("direct:/tmp/a,/tmp/b@tcp://127.0.0.1:1")
     assert p.direct.for_devices(("x", "y")) == {"x": "/tmp/a", "y": "/tmp/b"}
     for bad, msg in [("127.0.0.1:7410", "expected tcp://"), ("tcp://h", "expected tcp://HOST:PORT"),
-                     ("tcp://h:70000", "out of range"), ("direct:/a", "needs a device map")]:
+                     ("tcp://h:70000", "out of range"), ("direct:/a", "needs a device map"),
+                     ("tcp://h:1, tcp://h:1", "given more than once")]:
         with pytest.raises(UsageError, match=msg):
             parse_targets(bad)
     with pytest.raises(UsageError, match="1 device paths given but the daemon has 2"):

@@ -8,6 +8,7 @@ import pytest
 
 from daemon_proc import start_kvtierd
 from kvtier.client import BlockClient
+from kvtier.client.routing import Rendezvous
 from kvtier.tools.kvperf.cli import EXIT_GATE_FAILED, EXIT_OK, run
 from kvtier.tools.kvperf.content import block_key, payload_for
 
@@ -155,15 +156,25 @@ def test_verify_catches_corrupted_and_missing_blocks(tmp_path, capsys):
 def test_two_targets_spread_blocks(tmp_path, capsys):
     a, b = start_kvtierd(tmp_path / "a"), start_kvtierd(tmp_path / "b")
     try:
+        args = ["--bs=64k", "--size=4m", "--keyspace=spread", "--seed=5"]
         both = f"--target=tcp://{a.data_addr},tcp://{b.data_addr}"
-        code, _, err = kvperf_json(capsys, both, "--bs=64k", "--size=4m", "--name=w", "--rw=write", "--verify=1")
+        code, _, err = kvperf_json(capsys, both, *args, "--name=w", "--rw=write", "--verify=1")
         assert code == EXIT_OK, err
-        code, doc, _ = kvperf_json(capsys, f"--target=tcp://{a.data_addr}", "--bs=64k", "--size=4m",
-                                   "--name=r", "--rw=read", "--verify=1", "--verify_only=1")
-        assert code == EXIT_GATE_FAILED and doc["jobs"][0]["verify_errors"] == 32  # b holds the odd blocks
-        code, doc, _ = kvperf_json(capsys, both, "--bs=64k", "--size=4m", "--name=r", "--rw=read",
-                                   "--verify=1", "--verify_only=1")
+        # each block lives on its owner by the rule KVCache uses (kvtier.client.routing)
+        owners = Rendezvous([a.data_addr, b.data_addr]).owners([block_key(5, "spread", 0, i) for i in range(64)])
+        on_b = int(owners.sum())
+        assert 0 < on_b < 64
+        for alone, missing in ((a, on_b), (b, 64 - on_b)):
+            code, doc, _ = kvperf_json(capsys, f"--target=tcp://{alone.data_addr}", *args, "--name=r", "--rw=read",
+                                       "--verify=1", "--verify_only=1")
+            assert code == EXIT_GATE_FAILED and doc["jobs"][0]["verify_errors"] == missing
+        code, doc, _ = kvperf_json(capsys, both, *args, "--name=r", "--rw=read", "--verify=1", "--verify_only=1")
         assert code == EXIT_OK and doc["jobs"][0]["verify_errors"] == 0
+        code, doc, err = kvperf_json(capsys, both, *args, "--name=lk", "--rw=lookup", "--lookup_keys=8",
+                                     "--runtime=1")
+        assert code == EXIT_OK, err
+        lk = doc["jobs"][0]["lookup"]
+        assert lk["keys"] > 0 and lk["found"] == lk["keys"] and lk["misses"] == 0
     finally:
         a.stop()
         b.stop()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.client.engines._engine_keys import page_key, request_namespace, shard_namespace
-from kvtier.client.engines._vllm_plan import RequestState, load_op, save_op
+from kvtier.client.engines.namespaces import page_key, request_namespace, shard_namespace
+from kvtier.client.engines.vllm.scheduler_plan import RequestState, load_op, save_op
 from kvtier.common.keys import KVLayout, Namespace
 
 B = 4

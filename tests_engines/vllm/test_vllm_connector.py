@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
 
 from kvtier.common.blockformat import encode_block
-from kvtier.client.engines._engine_keys import request_namespace
+from kvtier.client.engines.namespaces import request_namespace
 from kvtier.client.engines.vllm import KVTierConnector
 from kvtier.client.kvcache import KVCache
 from kvtier.client import BlockClient

@@ -157,7 +157,7 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-        from kvtier.client.engines._vllm_paged import paged_view
+        from kvtier.client.engines.vllm.paged_views import paged_view
 
         self.config = vllm_config
         self.kv_cache_config = make_kv_cache_config(vllm_config)
@@ -226,7 +226,7 @@ class Engine:
         """The page the stand-in model computes for block ``block_index`` of ``tokens``."""
         scratch = {n: torch.zeros_like(self.caches[n][:1]) for n in layer_names()}
         for layer, name in enumerate(layer_names()):
-            from kvtier.client.engines._vllm_paged import paged_view
+            from kvtier.client.engines.vllm.paged_views import paged_view
 
             view = paged_view(scratch[name], "cpu", self.worker.geometry)
             for off in range(BLOCK_TOKENS):

@@ -21,6 +21,8 @@ from typing import Iterator
 
 import numpy as np
 
+from kvtier.client.routing import positions_by_owner
+
 from .blockio import put_blocks, read_blocks
 from .connect import Connections
 from .content import BlockMaker, block_key
@@ -78,19 +80,23 @@ def _ops(job: JobOptions, rng: np.random.Generator) -> Iterator[tuple[str, list[
             return
 
 
-def _lookup_ops(job: JobOptions, rng: np.random.Generator, ntargets: int) -> Iterator[tuple[int, int, int]]:
-    """Chains of block indexes that live on one target, ``lookup_keys`` long at
-    most, as (target, first, end): the chain is blocks ``t + ntargets * j`` for
-    ``first <= j < end`` (those under ``job.blocks``)."""
+def _lookup_ops(job: JobOptions, rng: np.random.Generator, target_blocks: list[int]) -> Iterator[tuple[int, int, int]]:
+    """Chains of keys that live on one target, ``lookup_keys`` long at most, as
+    (target, first, end): positions ``first <= j < end`` in the list of the
+    keys that target owns (``target_blocks[t]`` long). A chain's target is
+    drawn in proportion to the keys it owns."""
+    counts = np.asarray(target_blocks)
+    ntargets = len(counts)
     per_target = -(-job.blocks // ntargets)
     length = min(job.lookup_keys, job.blocks // ntargets or 1)
-    limits = [-(-(job.blocks - t) // ntargets) for t in range(ntargets)]  # target t's blocks: j < limits[t]
+    weights = counts / counts.sum()
+    highs = np.maximum(1, counts - length + 1)
     while True:
         n = max(1, per_target // length)  # drawn a pass at a time: one numpy call, not two per chain
-        targets = rng.integers(ntargets, size=n).tolist()
-        firsts = rng.integers(0, max(1, per_target - length + 1), size=n).tolist()
-        for t, first in zip(targets, firsts):
-            yield t, first, min(first + length, limits[t])
+        targets = rng.choice(ntargets, size=n, p=weights) if ntargets > 1 else np.zeros(n, dtype=np.intp)
+        firsts = rng.integers(0, highs[targets])
+        for t, first in zip(targets.tolist(), firsts.tolist()):
+            yield t, first, min(first + length, int(counts[t]))
         if not job.time_based:
             return
 
@@ -105,15 +111,14 @@ class BlockClone:
         self.maker = BlockMaker(job.keyspace, job.codec, job.bs, job.verify)
         self.rng = np.random.default_rng([job.seed, clone])
         self.written = np.zeros(job.blocks, dtype=bool)
-        n = len(conns.clients)
-        self.keys_by_target = [self.keys[t::n] for t in range(n)]  # a LOOKUP chain is a slice of one
+        self.owner = conns.owners(self.keys)  # target index per block
+        self.keys_by_target = [[self.keys[i] for i in np.flatnonzero(self.owner == t)]
+                               for t in range(len(conns.clients))]  # a LOOKUP chain is a slice of one
 
     def _by_target(self, indexes: list[int]) -> dict[int, list[int]]:
-        n = len(self.conns.clients)
-        groups: dict[int, list[int]] = {}
-        for i in indexes:
-            groups.setdefault(i % n, []).append(i)
-        return groups
+        """``{target: the blocks of indexes it owns}``, in the order given."""
+        idx = np.asarray(indexes, dtype=np.intp)
+        return {t: idx[pos].tolist() for t, pos in positions_by_owner(self.owner[idx]).items()}
 
     async def layout(self) -> None:
         step = _batch_blocks(self.job, LAYOUT_BATCH_BLOCKS)
@@ -164,7 +169,8 @@ class BlockClone:
 
     async def measured(self, clock: Clock) -> None:
         if self.job.rw == "lookup":
-            ops = (("lookup", chain) for chain in _lookup_ops(self.job, self.rng, len(self.conns.clients)))
+            target_blocks = [len(keys) for keys in self.keys_by_target]
+            ops = (("lookup", chain) for chain in _lookup_ops(self.job, self.rng, target_blocks))
         else:
             ops = _ops(self.job, self.rng)
         now = time.perf_counter_ns

@@ -1,9 +1,15 @@
 """Connections to a job's targets: one client per daemon (see
 :mod:`.ioengines`), checked with a PING before the clock starts, and an
-optional direct reader."""
+optional direct reader. A key goes to the daemon that owns it by the rule
+engines use (:mod:`kvtier.client.routing`)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Sequence
+
+import numpy as np
+
+from kvtier.client.routing import Rendezvous
 
 from .ioengines import make_client
 from .result import ConnectError
@@ -23,7 +29,8 @@ class Connections:
         self.iodepth = iodepth
         self.token = token
         self.pool_size = max(1, min(iodepth, POOL_SIZE_MAX))
-        self.clients: list = []
+        self.clients: list = []  # clients[i] talks to routing.members[i]
+        self.routing = Rendezvous([t.addr for t in targets.tcp])
         self.direct = None  # a kvtier.client.direct_reader.DirectReader when target=direct:
 
     async def __aenter__(self) -> "Connections":
@@ -65,11 +72,13 @@ class Connections:
         for c in clients:
             await c.close()
 
-    def for_index(self, index: int):
-        return self.clients[index % len(self.clients)]
+    def owners(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The index into ``clients`` of each key's owner."""
+        return self.routing.owners(keys)
 
-    def for_key(self, key: bytes):
-        return self.clients[int.from_bytes(key[:8], "little") % len(self.clients)]
+    def by_owner(self, keys: Sequence[bytes]) -> list[tuple[object, list[int]]]:
+        """(client, ascending positions in ``keys`` of the keys its daemon owns) per owner."""
+        return [(self.clients[t], idx) for t, idx in self.routing.groups(keys).items()]
 
 
 def _describe(e: BaseException) -> str:

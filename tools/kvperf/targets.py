@@ -1,8 +1,8 @@
 """Where a job sends its requests.
 
 - ``tcp://HOST:PORT``: one daemon; several, comma-separated, spread the
-  blocks over them (block ``i`` goes to target ``i mod n``; a prefix chain
-  goes whole to the target its first key picks, so shared prefixes meet).
+  blocks over them: each key goes to its owner by rendezvous hashing over
+  the ``HOST:PORT`` names, the rule engines use (:mod:`kvtier.client.routing`).
 - ``direct:MAP@tcp://HOST:PORT``: reads go straight to the daemon's devices
   (the NVMe-oF path) after a LOOKUP for their locations; writes and lookups go
   over TCP. MAP is ``ID=PATH,ID=PATH`` (daemon device id to local path), or
@@ -91,7 +91,11 @@ def parse_targets(text: str) -> Targets:
         raise UsageError("target is empty")
     if len(parts) > TARGETS_MAX:
         raise UsageError(f"{len(parts)} targets is over the limit {TARGETS_MAX}")
-    return Targets(tuple(_tcp(p) for p in parts))
+    tcp = tuple(_tcp(p) for p in parts)
+    twice = sorted({t.addr for t in tcp if tcp.count(t) > 1})
+    if twice:
+        raise UsageError(f"target {', '.join(twice)} given more than once")
+    return Targets(tcp)
 
 
 def read_token(path: str) -> str | None:

@@ -11,7 +11,7 @@ the attention backend's convention:
         the block's [N, 2D] rows are read as [2N, D]: all N keys, then all N values
                                  -> view as               [B, H, 2, N, D]
 
-:func:`paged_views` returns those 5-axis views (no copy; writes go through to
+:func:`paged_view` returns those 5-axis views (no copy; writes go through to
 vLLM's cache) and the :class:`PagedLayout` naming their axes, which is what
 ``gather_blocks`` / ``scatter_blocks`` take.
 

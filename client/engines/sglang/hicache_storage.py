@@ -40,8 +40,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvtier.client import ClientError
-from kvtier.client.engines._engine_keys import page_key, shard_namespace
-from kvtier.client.engines._sglang_pages import HostPages
+from kvtier.client.engines.namespaces import page_key, shard_namespace
+from kvtier.client.engines.sglang.host_pages import HostPages
 from kvtier.common.keys import KVLayout, Namespace
 from kvtier.common.tokens import read_token_file
 from kvtier.client.kvcache import KVCache

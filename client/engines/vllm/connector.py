@@ -45,11 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.client import ClientError
-from kvtier.client.engines._engine_keys import request_namespace, shard_namespace
-from kvtier.client.engines._vllm_paged import PagedGeometry, paged_layout, paged_view
-from kvtier.client.engines._vllm_plan import STORE_POLICIES, BlockOp, RequestState, load_op, save_op
+from kvtier.client.engines.namespaces import request_namespace, shard_namespace
+from kvtier.client.engines.vllm.paged_views import PagedGeometry, paged_layout, paged_view
+from kvtier.client.engines.vllm.scheduler_plan import BlockOp, RequestState, load_op, save_op
+from kvtier.client.engines.vllm.settings import KVTierSettings
 from kvtier.common.keys import KVLayout, Namespace
-from kvtier.common.tokens import read_token_file
 from kvtier.client.kvcache import KVCache
 from kvtier.kernels.paged import gather_blocks, scatter_blocks
 
@@ -65,8 +65,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ADDRESS = "127.0.0.1:7410"
-DEFAULT_WORKER_HOT_POOL_BYTES = 0  # vLLM's own prefix cache is the hot tier
 IO_ERRORS = (ClientError, OSError)  # the daemon unreachable or refusing: a miss, never a crash
 
 
@@ -76,44 +74,6 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockOp] = field(default_factory=list)
     saves: list[BlockOp] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVTierSettings:
-    """``kv_connector_extra_config``, validated (see docs/vllm.md)."""
-
-    addresses: tuple[str, ...]
-    token: str | None
-    codec: str
-    tenant: str
-    model_id: str | None
-    store: str
-    hot_pool_bytes: int
-    transport: str
-    device_map: dict | None
-
-    KEYS = frozenset({"address", "token", "token_file", "codec", "tenant", "model_id", "store",
-                      "hot_pool_bytes", "transport", "device_map"})
-
-    @classmethod
-    def from_extra(cls, extra: dict) -> "KVTierSettings":
-        unknown = set(extra) - cls.KEYS
-        if unknown:
-            raise ValueError(f"unknown kvtier settings {sorted(unknown)} in kv_connector_extra_config; "
-                             f"known: {sorted(cls.KEYS)}")
-        get = extra.get
-        address = get("address", DEFAULT_ADDRESS)
-        addresses = (address,) if isinstance(address, str) else tuple(address)
-        token = get("token", None)
-        token_file = get("token_file", None)
-        if token is None and token_file:
-            token = read_token_file(token_file)
-        store = get("store", "prompt")
-        if store not in STORE_POLICIES:
-            raise ValueError(f"kvtier store must be one of {STORE_POLICIES}, got {store!r}")
-        hot = int(get("hot_pool_bytes", DEFAULT_WORKER_HOT_POOL_BYTES))
-        return cls(addresses, token, str(get("codec", "raw")), str(get("tenant", "")),
-                   get("model_id", None), store, hot, str(get("transport", "auto")), get("device_map", None))
 
 
 class KVTierConnector(KVConnectorBase_V1):
