@@ -252,6 +252,10 @@ class HotPool:
     def put(self, key: bytes, block) -> bool:
         """Copy ``block`` (a ``block_shape`` tensor) into the pool. True if it
         is resident afterwards (newly or already), False on a shortage."""
+        return self.put_with(key, lambda slot: copy_tensor(slot, block))
+
+    def put_with(self, key: bytes, fill) -> bool:
+        """:meth:`put`, with ``fill(slot_tensor)`` writing the block into its slot."""
         with self._lock:
             got = self.index.reserve(key)
         if got is None:
@@ -259,7 +263,7 @@ class HotPool:
         slot, fresh = got
         if fresh:
             try:
-                copy_tensor(self.storage[slot], block)
+                fill(self.storage[slot])
             except BaseException:
                 with self._lock:
                     self.index.abort(key)

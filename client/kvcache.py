@@ -22,14 +22,13 @@ yet tell an upstream fill from a local hit, so its counters stay zero until
 the protocol reports it.
 
 Several daemon addresses form a static cluster: each key has one owner by
-rendezvous hashing over the addresses (the same rule everywhere, so every
-client agrees); a batch is split per owner.
+rendezvous hashing over the addresses (:mod:`.routing`, the rule every
+client uses); a batch is split per owner.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import threading
 import time
@@ -40,11 +39,14 @@ from typing import Iterator, Mapping, Sequence
 
 from kvtier.kernels import MixedCodec, get_codec
 
-from .block_payload import blocks_from_kv, check_kv, copy_block_into, empty_kv, layers_of, torch_dtype
-from kvtier.common.blockformat import BlockFormatError, decode_header, encode_block, payload_of
+from .block_encoder import BlockEncoder, gather_block
+from .block_payload import check_kv, copy_block_into, copy_tensor, empty_kv, layers_of, torch_dtype
+from kvtier.common.blockformat import BlockFormatError, decode_header, payload_of
 from .direct_reader import DirectLocation, DirectReader
 from .hot_pool import HotPool
+from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
 from kvtier.common.keys import Namespace
+from .routing import Rendezvous
 from .tier_stats import CacheStatistics, TierRecorder
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,6 @@ WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at
 FETCH_STREAMS_MAX = 4  # parallel GET batches per daemon and load: measured ~2x faster than one batch on loopback
 FETCH_STREAM_BLOCKS_MIN = 4  # a batch smaller than this is not worth a stream of its own
 TRANSPORTS = ("auto", "tcp", "direct")
-_RENDEZVOUS_PERSON = b"kvtier-owner-v1"
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class KVCache:
     def __init__(self, namespace: Namespace, addresses: str | Sequence[str], token: str | None = None,
                  hot_pool_bytes: int = DEFAULT_HOT_POOL_BYTES, device: str = "cpu",
                  device_map: Mapping[str, str] | None = None, transport: str = "auto",
-                 pool_size: int = 4, timeout_s: float = 30.0, direct_backend: str = "auto") -> None:
+                 pool_size: int = 4, timeout_s: float = 30.0, direct_backend: str = "auto",
+                 save_queue_bytes: int = SAVE_QUEUE_BYTES_MAX) -> None:
         from . import BlockClient  # the block client (TCP); imported here to keep this module light
 
         if not isinstance(namespace, Namespace):
@@ -106,11 +108,14 @@ class KVCache:
         self.device = device
         self.transport = transport
         self._hot = HotPool(self.layout, hot_pool_bytes, device)
+        self._encoder = BlockEncoder(self.layout, namespace.id, self.codec)
+        self._saves = SaveQueue(save_queue_bytes)
         self._stats = {name: TierRecorder(name) for name in ("hot", "warm", "cold")}
         self._counters_lock = threading.Lock()
         self._requested = 0
         self._stored = 0
         self._daemons: list[_Daemon] = []
+        self._routing = Rendezvous(addrs)  # member i is self._daemons[i]
         self._executor = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-cache")
         self._streams = max(1, min(FETCH_STREAMS_MAX, pool_size))
         # GET streams run here, never on _executor: a prefetch waiting on its own pool could deadlock
@@ -178,16 +183,14 @@ class KVCache:
         keys = self.keys_for(token_list)
         with self._held(keys, prefix_only=True) as held:
             out = empty_kv(self.layout, len(held.blocks), self.device)
-            scratch = None
+            scratch: list = []
             n = 0
             for block in held.blocks:
                 if isinstance(block, _Staged):
-                    if scratch is None:
-                        scratch = self._empty_block()
-                    if not self._decode(block.data, scratch):
+                    if not self._decode_into(block.data, out, n, scratch):
                         break  # a payload the codec rejects ends the prefix
-                    block = scratch
-                copy_block_into(out, n, block, self.layout)
+                else:
+                    copy_block_into(out, n, block, self.layout)
                 n += 1
         b = self.layout.block_tokens
         layers = tuple((k[:, :, :n * b], v[:, :, :n * b]) for k, v in layers_of(out)) if n < len(held.blocks) \
@@ -268,6 +271,19 @@ class KVCache:
 
         return torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout), device=self.device)
 
+    def _decode_into(self, block, out, index: int, scratch: list) -> bool:
+        """Decode a block straight into its tokens' place in ``out`` (raw payloads on the
+        host: one copy); other codecs and devices decode into a reused scratch block first."""
+        b = self.layout.block_tokens
+        if self.codec.name == "raw" and out.device.type == "cpu":
+            return self._decode(block, out[:, :, 0, :, index * b:(index + 1) * b])
+        if not scratch:
+            scratch.append(self._empty_block())
+        if not self._decode(block, scratch[0]):
+            return False
+        copy_block_into(out, index, scratch[0], self.layout)
+        return True
+
     def _decode(self, block, out) -> bool:
         """Decode a block's payload into ``out``; False (a miss) for a payload
         the codec rejects - wrong KV never reaches the engine."""
@@ -341,13 +357,6 @@ class KVCache:
                     blocks[i], via[i] = block, "tcp"
         return blocks, via, fallbacks
 
-    def _encode(self, block, seq_tokens: int | None) -> bytes:
-        """The codec payload; ``mixed`` also gets the sequence length its
-        per-layer policy depends on (long sequences keep chosen layers raw)."""
-        if seq_tokens is not None and isinstance(self.codec, MixedCodec):
-            return self.codec.encode(block, seq_tokens=seq_tokens)
-        return self.codec.encode(block)
-
     def _get_many(self, daemon: _Daemon, keys: list[bytes]) -> list:
         """GET over TCP, split into up to ``_streams`` contiguous batches that
         run in parallel on the client's connection pool (the daemon reads
@@ -379,44 +388,84 @@ class KVCache:
         """Store the full blocks of ``tokens`` that ``kv`` (per-layer (k, v),
         ``[1, kv_heads, T, head_dim]``) covers and the daemon does not hold
         yet; keep them hot. Returns the number of blocks written."""
-        token_list = _as_token_list(tokens)
-        kv_tokens = check_kv(kv, self.layout)
-        if kv_tokens > len(token_list):
-            raise ValueError(f"kv covers {kv_tokens} tokens but only {len(token_list)} tokens were given")
-        keys = self.keys_for(token_list[:kv_tokens])
+        keys, kv_tokens = self._store_keys(tokens, kv)
         known = self._lookup_warm(keys)
         new = keys[known:]
         if not new:
             return 0
-        blocks = blocks_from_kv(kv, self.layout, known, len(new))
-        return self._put(new, [blocks[i] for i in range(len(new))], durable, seq_tokens=kv_tokens)
+        self._keep_hot(new, lambda slot, i: gather_block(kv, self.layout, known + i, slot))
+        with self._encoder.encode(kv, known, new, seq_tokens=kv_tokens) as blocks:
+            return self._send(new, blocks, durable)
+
+    def store_async(self, tokens, kv, durable: bool = False) -> Future:
+        """Write-behind :meth:`store`: the blocks are copied out of ``kv`` now (the engine
+        may reuse its memory once this returns); the LOOKUP and PUT run on a background
+        worker. The future holds the blocks written, 0 when the save queue was full (the
+        save is dropped and counted in ``statistics().saves``)."""
+        keys, kv_tokens = self._store_keys(tokens, kv)
+        self._keep_hot(keys, lambda slot, i: gather_block(kv, self.layout, i, slot))
+        built = self._encoder.encode(kv, 0, keys, seq_tokens=kv_tokens)
+        return self._saves.submit(built.nbytes, len(keys), lambda: self._send_new(keys, built, durable),
+                                  on_drop=built.release)
+
+    def _store_keys(self, tokens, kv) -> tuple[list[bytes], int]:
+        token_list = _as_token_list(tokens)
+        kv_tokens = check_kv(kv, self.layout)
+        if kv_tokens > len(token_list):
+            raise ValueError(f"kv covers {kv_tokens} tokens but only {len(token_list)} tokens were given")
+        return self.keys_for(token_list[:kv_tokens]), kv_tokens
 
     def store_blocks(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> int:
         """Store each ``block_shape`` block (tensor or ndarray) under its key."""
         keys = list(keys)
+        self._check_blocks(keys, blocks)
+        if not keys:
+            return 0
+        self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
+        with self._encoder.encode_tensors(blocks, keys) as built:
+            return self._send(keys, built, durable)
+
+    def store_blocks_async(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> Future:
+        """Write-behind :meth:`store_blocks` (see :meth:`store_async`); no LOOKUP first."""
+        keys = list(keys)
+        self._check_blocks(keys, blocks)
+        self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
+        built = self._encoder.encode_tensors(blocks, keys)
+
+        def save() -> int:
+            with built as views:
+                return self._send(keys, views, durable)
+        return self._saves.submit(built.nbytes, len(keys), save, on_drop=built.release)
+
+    def _check_blocks(self, keys: list[bytes], blocks: Sequence) -> None:
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         for i, block in enumerate(blocks):
             if tuple(block.shape) != self.layout.block_shape:
                 raise ValueError(f"block {i} has shape {tuple(block.shape)}, expected {self.layout.block_shape}")
-        return self._put(keys, list(blocks), durable) if keys else 0
+            if str(block.dtype).rpartition(".")[2] != self.layout.dtype:
+                raise ValueError(f"block {i} is {block.dtype}, the namespace layout is {self.layout.dtype}")
 
-    def _put(self, keys: list[bytes], blocks: list, durable: bool, seq_tokens: int | None = None) -> int:
-        import torch
+    def _send_new(self, keys: list[bytes], built, durable: bool) -> int:
+        """The background half of :meth:`store_async`: PUT the blocks the daemons lack."""
+        with built as views:
+            known = self._lookup_warm(keys)
+            return self._send(keys[known:], views[known:], durable) if known < len(keys) else 0
 
-        ns_id, cid = self.namespace.id, self.codec.codec_id
-        encoded = [encode_block(key, ns_id, cid, self._encode(block, seq_tokens)) for key, block in zip(keys, blocks)]
+    def _send(self, keys: list[bytes], blocks: Sequence[memoryview], durable: bool) -> int:
         for daemon, idx in self._by_owner(keys).items():
-            daemon.client.put_many([(keys[i], encoded[i]) for i in idx], durable=durable)
+            daemon.client.put_many([(keys[i], blocks[i]) for i in idx], durable=durable)
         # tier latencies describe reads (what TTFT waits for); writes count bytes only
-        self._stats["warm"].record(bytes_written=sum(len(e) for e in encoded))
-        for key, block in zip(keys, blocks):
-            tensor = block if isinstance(block, torch.Tensor) else torch.from_numpy(block)
-            if tensor.dtype == torch_dtype(self.layout):
-                self._hot.put(key, tensor)
+        self._stats["warm"].record(bytes_written=sum(b.nbytes for b in blocks))
         with self._counters_lock:
             self._stored += len(keys)
         return len(keys)
+
+    def _keep_hot(self, keys: Sequence[bytes], fill) -> None:
+        """Copy the blocks into the hot pool (``fill(slot, i)`` writes block i), when it has room."""
+        if self._hot.capacity_blocks:
+            for i, key in enumerate(keys):
+                self._hot.put_with(key, lambda slot, i=i: fill(slot, i))
 
     def flush(self) -> None:
         """Ask every daemon to write out and seal its open region: stored
@@ -426,15 +475,8 @@ class KVCache:
 
     # --- routing -------------------------------------------------------------
     def _by_owner(self, keys: Sequence[bytes]) -> dict[_Daemon, list[int]]:
-        """``{daemon: [indices of keys it owns]}`` by rendezvous hashing."""
-        if len(self._daemons) == 1:
-            return {self._daemons[0]: list(range(len(keys)))}
-        groups: dict[_Daemon, list[int]] = {}
-        for i, key in enumerate(keys):
-            owner = max(self._daemons, key=lambda d: hashlib.blake2b(
-                key + d.address.encode(), digest_size=8, person=_RENDEZVOUS_PERSON).digest())
-            groups.setdefault(owner, []).append(i)
-        return groups
+        """``{daemon: [indices of keys it owns]}`` (:mod:`.routing`)."""
+        return {self._daemons[m]: idx for m, idx in self._routing.groups(keys).items()}
 
     # --- statistics and lifecycle -------------------------------------------
     def statistics(self) -> CacheStatistics:
@@ -445,9 +487,12 @@ class KVCache:
                                cold=self._stats["cold"].snapshot(), hot_blocks_resident=pool.resident_blocks,
                                hot_blocks_referenced=pool.referenced_blocks,
                                hot_capacity_blocks=pool.capacity_blocks, hot_evictions=pool.evictions,
-                               blocks_requested=requested, blocks_stored=stored)
+                               blocks_requested=requested, blocks_stored=stored,
+                               saves=self._saves.statistics())
 
     def close(self) -> None:
+        """Drain accepted write-behind saves, then close every connection."""
+        self._saves.close()
         self._executor.shutdown(wait=True)
         self._io.shutdown(wait=True)
         for daemon in self._daemons:
@@ -498,6 +543,12 @@ class _Held:
     blocks: list
     hot: int
     transports: Mapping[str, int]
+
+
+def _as_tensor(block):
+    import torch
+
+    return block if isinstance(block, torch.Tensor) else torch.from_numpy(block)
 
 
 def _as_token_list(tokens) -> list[int]:

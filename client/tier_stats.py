@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -69,6 +69,7 @@ class CacheStatistics:
     hot_evictions: int
     blocks_requested: int  # blocks that load()/load_blocks() were asked for
     blocks_stored: int  # blocks store() wrote to the daemon
+    saves: Any = None  # the write-behind queue's SaveQueueStatistics
 
     def tier(self, name: str) -> TierSnapshot:
         if name not in TIERS:

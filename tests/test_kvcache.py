@@ -340,3 +340,49 @@ def test_a_decode_that_raises_leaves_no_hot_pool_reservation_behind(daemon):
         again = cache.load(tokens)  # the same keys decode into the pool now
         assert again.num_tokens == 16 and prefix_equal(again.layers, kv, 16)
         assert cache.load(tokens).blocks_hot == 2
+
+
+def test_write_behind_store_copies_out_then_saves_in_the_background(daemon):
+    tokens = list(range(7000, 7040))
+    kv = make_kv(40, seed=7)
+    original = [(k.clone(), v.clone()) for k, v in kv]
+    with KVCache(ns("write-behind"), daemon.data_addr, hot_pool_bytes=0) as cache:
+        future = cache.store_async(tokens, kv)
+        for k, v in kv:  # the engine reuses its memory at once: the save holds its own copy
+            k.zero_()
+            v.zero_()
+        assert future.result(30) == 5
+        assert cache.store_async(tokens, original).result(30) == 0  # known: the background LOOKUP skips them
+        loaded = cache.load(tokens)
+        assert loaded.num_tokens == 40 and prefix_equal(loaded.layers, original, 40)
+        saves = cache.statistics().saves
+        assert (saves.saves_done, saves.saves_dropped, saves.bytes_queued) == (2, 0, 0)
+
+
+def test_write_behind_drops_and_counts_when_full_and_close_drains(daemon):
+    import threading
+
+    block_bytes = LAYOUT.block_raw_bytes
+    cache = KVCache(ns("write-behind-full"), daemon.data_addr, hot_pool_bytes=0, save_queue_bytes=5 * block_bytes)
+    first = cache.store_async(list(range(0, 16)), make_kv(16, seed=0))
+    assert first.result(30) == 2
+    gate = threading.Event()
+    cache._saves.submit(2 * block_bytes, 0, lambda: gate.wait(30) and 0)  # holds the worker and 2 blocks of room
+    later = [cache.store_async(list(range(i * 100, i * 100 + 16)), make_kv(16, seed=i)) for i in range(1, 4)]
+    assert [f.done() for f in later] == [False, True, True]  # one more fits; the rest are dropped at once
+    saves = cache.statistics().saves
+    assert (saves.saves_dropped, saves.blocks_dropped) == (2, 4)
+    gate.set()
+    cache.close()  # drains what was accepted
+    assert [f.result(0) for f in later] == [2, 0, 0]
+    saves = cache.statistics().saves
+    assert (saves.saves_done, saves.saves_queued, saves.bytes_queued) == (3, 0, 0)
+    with KVCache(ns("write-behind-full"), daemon.data_addr, hot_pool_bytes=0) as check:
+        assert [check.lookup(list(range(i * 100, i * 100 + 16))) for i in range(4)] == [16, 16, 0, 0]
+
+
+def test_store_blocks_refuses_a_wrong_dtype(daemon):
+    with KVCache(ns("dtype"), daemon.data_addr, hot_pool_bytes=0) as cache:
+        keys = cache.keys_for(list(range(8)))
+        with pytest.raises(ValueError, match="float32, the namespace layout is float16"):
+            cache.store_blocks(keys, [torch.zeros(LAYOUT.block_shape, dtype=torch.float32)])
