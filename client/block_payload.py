@@ -89,8 +89,7 @@ def copy_block_into(out, index: int, block, layout: KVLayout) -> None:
 
     Host tensors are copied with NumPy (bit patterns, so bf16 works too):
     one thread, no OpenMP team to wake - torch's parallel copy is slower
-    for these sizes and collapses when the cores are oversubscribed (it
-    measured 10-30x slower than NumPy on a busy 2-core host). Device
+    for these sizes and collapses when the cores are oversubscribed. Device
     tensors use torch's copy (a kernel)."""
     b = layout.block_tokens
     copy_tensor(out[:, :, 0, :, index * b:(index + 1) * b], block)

@@ -1,6 +1,6 @@
 """fp16/bf16 <-> fp32 conversion of host arrays, exact IEEE (round-to-nearest-even).
 
-NumPy's float16 casts are scalar loops (about 0.5 GB/s here); torch's CPU casts are
+NumPy's float16 casts are scalar loops; torch's CPU casts are
 vectorized (F16C) and produce the same bits, so torch is used when importable and
 NumPy otherwise. bf16 goes through integer bit operations (exact, vectorized).
 The quantized codecs spend most of their CPU time here.
