@@ -72,7 +72,7 @@ class Daemon:
             self.state = state
             line = f"kvtierd ready data={format_address(*state.data_address[:2])}"
             if self.cfg.admin_address is not None:
-                from kvtier.daemon.admin import AdminServer  # FastAPI/uvicorn only when asked for
+                AdminServer = _admin_server_class()
                 self._admin = AdminServer(state, *self.cfg.admin_address)
                 state.admin_address = tuple(self._admin.start())
                 line += f" admin={format_address(*state.admin_address[:2])}"
@@ -150,6 +150,16 @@ class Daemon:
             return False
         log.info("event=stopped uptime_s=%.1f", state.uptime_s)
         return True
+
+
+def _admin_server_class():
+    """The admin API's server; FastAPI and uvicorn are imported only when it is asked for."""
+    try:
+        from kvtier.daemon.admin import AdminServer
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"the admin API needs {exc.name}, from the daemon extra: pip install 'kvtier[daemon]' "
+                          "(or set admin = \"none\")") from None
+    return AdminServer
 
 
 def main(argv: list[str] | None = None) -> int:

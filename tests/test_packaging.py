@@ -39,3 +39,15 @@ def test_the_client_imports_without_the_daemon_stack():
             f"print(','.join(m for m in {WEB_AND_PLOTS!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"the client pulled in {out}"
+
+
+def test_kvtierd_without_the_daemon_extra_says_which_extra(tmp_path):
+    """A node that installed only the client gets a start-up error naming the extra, not a traceback."""
+    code = ("import sys; sys.modules['fastapi'] = None;"  # as if the daemon extra were not installed
+            "from kvtier.daemon.main import main;"
+            f"sys.exit(main(['--data-dir', {str(tmp_path)!r}, '--device-size', '64m', '--region-size', '4m',"
+            "'--stripe-size', '256k', '--listen', '127.0.0.1:0', '--admin', '127.0.0.1:0']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "the admin API needs fastapi, from the daemon extra: pip install 'kvtier[daemon]'" in result.stderr
+    assert "Traceback" not in result.stderr
