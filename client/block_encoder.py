@@ -77,27 +77,31 @@ class EncodedBlocks:
 
 class BlockEncoder:
     """Builds the blocks of engine KV (per-layer ``(k, v)``, ``[1, kv_heads, T, head_dim]``)
-    for one namespace and codec, each in a send buffer; see the module doc."""
+    for one namespace and codec, each in a send buffer; see the module doc. ``layers``
+    (a layer group, :meth:`KVLayout.group_layers`) builds objects of those layers only."""
 
-    def __init__(self, layout: KVLayout, ns_id: bytes, codec) -> None:
+    def __init__(self, layout: KVLayout, ns_id: bytes, codec, layers: range | None = None) -> None:
         from kvtier.kernels.arrays import BF16
 
         self.layout = layout
         self.ns_id = ns_id
         self.codec = codec
+        self.layers = range(layout.num_layers) if layers is None else layers
+        self.shape = (len(self.layers), *layout.block_shape[1:])
+        self._nbytes = layout.block_raw_bytes // layout.num_layers * len(self.layers)
         self._dtype = BF16 if layout.dtype == "bfloat16" else np.dtype(layout.dtype)
         self._bits = np.dtype(f"i{self._dtype.itemsize}")  # what host_bits() views tensors as
-        self._raw_header = codec.payload_header(layout.block_shape, self._dtype) if codec.name == "raw" else None
+        self._raw_header = codec.payload_header(self.shape, self._dtype) if codec.name == "raw" else None
         self.buffers = SendBuffers(HEADER_SIZE + self._payload_size_max())
         self._scratch = threading.local()
 
     def _payload_size_max(self) -> int:
         if self._raw_header is not None:
-            return len(self._raw_header) + self.layout.block_raw_bytes
-        probe = np.zeros(self.layout.block_shape, self._dtype)
+            return len(self._raw_header) + self._nbytes
+        probe = np.zeros(self.shape, self._dtype)
         if hasattr(self.codec, "encoded_size"):
             return self.codec.encoded_size(probe)
-        return len(self.codec.encode(probe)) + self.layout.block_raw_bytes // 255 + LZ4_GROWTH_BYTES
+        return len(self.codec.encode(probe)) + self._nbytes // 255 + LZ4_GROWTH_BYTES
 
     def encode(self, kv: Sequence, first_block: int, keys: Sequence[bytes],
                seq_tokens: int | None = None) -> "EncodedBlocks":
@@ -106,7 +110,7 @@ class BlockEncoder:
         return self._build(keys, lambda i, payload: self._gather_into(kv, first_block + i, payload, seq_tokens))
 
     def encode_tensors(self, blocks: Sequence, keys: Sequence[bytes]) -> "EncodedBlocks":
-        """:meth:`encode` of ``block_shape`` tensors (or arrays), e.g. gathered from a paged cache."""
+        """:meth:`encode` of tensors (or arrays) of this encoder's shape, e.g. gathered from a paged cache."""
         return self._build(keys, lambda i, payload: self._tensor_into(blocks[i], payload))
 
     def _build(self, keys: Sequence[bytes], fill) -> "EncodedBlocks":
@@ -130,8 +134,8 @@ class BlockEncoder:
         return self._encode_other(kv, index, payload, seq_tokens)
 
     def _tensor_into(self, block, payload: memoryview) -> int:
-        if tuple(block.shape) != self.layout.block_shape:
-            raise ValueError(f"block has shape {tuple(block.shape)}, expected {self.layout.block_shape}")
+        if tuple(block.shape) != self.shape:
+            raise ValueError(f"block has shape {tuple(block.shape)}, expected {self.shape}")
         if hasattr(block, "device") and block.device.type != "cpu":
             block = block.cpu()
         arr = host_bits(block) if hasattr(block, "device") else np.asarray(block).view(self._bits)
@@ -144,16 +148,16 @@ class BlockEncoder:
     def _gather_raw(self, kv: Sequence, index: int, payload: memoryview) -> int:
         head = len(self._raw_header)
         payload[:head] = self._raw_header
-        count = self.layout.block_raw_bytes // self._bits.itemsize
-        gather_block(kv, self.layout, index,
-                     np.frombuffer(payload, self._bits, count, head).reshape(self.layout.block_shape))
-        return head + self.layout.block_raw_bytes
+        count = self._nbytes // self._bits.itemsize
+        gather_block(kv, self.layout, index, np.frombuffer(payload, self._bits, count, head).reshape(self.shape),
+                     self.layers)
+        return head + self._nbytes
 
     def _encode_other(self, kv: Sequence, index: int, payload: memoryview, seq_tokens: int | None) -> int:
         scratch = getattr(self._scratch, "block", None)
         if scratch is None:
-            scratch = self._scratch.block = np.empty(self.layout.block_shape, self._bits)
-        gather_block(kv, self.layout, index, scratch)
+            scratch = self._scratch.block = np.empty(self.shape, self._bits)
+        gather_block(kv, self.layout, index, scratch, self.layers)
         block = scratch.view(self._dtype)
         if hasattr(self.codec, "encode_into"):
             return self.codec.encode_into(block, payload)
@@ -165,21 +169,23 @@ class BlockEncoder:
         return len(data)
 
 
-def gather_block(kv: Sequence, layout: KVLayout, index: int, dest) -> None:
-    """``dest[layer, 0|1] = k|v[0, :, tokens of block index]`` for every layer, one copy
-    each. ``dest`` is ``block_shape``: a NumPy array of the layout's bits (int16 for
-    2-byte dtypes), or a tensor of the layout's dtype (a hot-pool slot, on any device)."""
+def gather_block(kv: Sequence, layout: KVLayout, index: int, dest, layers: range | None = None) -> None:
+    """``dest[j, 0|1] = k|v[0, :, tokens of block index]`` of the j-th of ``layers`` (all by
+    default), one copy each. ``dest`` is ``[len(layers), 2, H, B, D]``: a NumPy array of the
+    layout's bits (int16 for 2-byte dtypes), or a tensor of the layout's dtype (a hot-pool
+    slot, on any device)."""
     b = layout.block_tokens
     start, end = index * b, (index + 1) * b
-    for layer, (k, v, *_) in enumerate(kv):
+    for j, layer in enumerate(range(layout.num_layers) if layers is None else layers):
+        k, v = kv[layer][:2]
         for which, tensor in ((0, k), (1, v)):
             src = tensor[0, :, start:end]
             if not isinstance(dest, np.ndarray):
-                copy_tensor(dest[layer, which], src)
+                copy_tensor(dest[j, which], src)
             elif src.device.type == "cpu":
-                np.copyto(dest[layer, which], host_bits(src))
+                np.copyto(dest[j, which], host_bits(src))
             else:
                 import torch
 
-                into = torch.from_numpy(dest[layer, which])
+                into = torch.from_numpy(dest[j, which])
                 into.copy_(src.view(into.dtype))

@@ -41,12 +41,14 @@ from kvtier.kernels import MixedCodec, get_codec
 
 from .block_encoder import BlockEncoder, gather_block
 from .block_payload import check_kv, copy_block_into, copy_tensor, empty_kv, layers_of, torch_dtype
-from kvtier.common.blockformat import BlockFormatError, decode_header, payload_of
-from .direct_reader import DirectLocation, DirectReader
+from kvtier.common.blockformat import payload_of
+from .direct_reader import DirectReader
 from .hot_pool import HotPool
+from .prefix_load import PrefixLoad
 from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
 from kvtier.common.keys import Namespace
 from .routing import Rendezvous
+from .warm_tier import Daemon, WarmTier
 from .tier_stats import CacheStatistics, TierRecorder
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,6 @@ log = logging.getLogger(__name__)
 DEFAULT_HOT_POOL_BYTES = 256 * 1024 * 1024  # a modest default; engines size it from free HBM
 WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at a time
 FETCH_STREAMS_MAX = 4  # parallel GET batches per daemon and load: the daemon reads them from its devices at once
-FETCH_STREAM_BLOCKS_MIN = 4  # a batch smaller than this is not worth a stream of its own
 TRANSPORTS = ("auto", "tcp", "direct")
 
 
@@ -72,15 +73,6 @@ class LoadedPrefix:
     @property
     def num_blocks(self) -> int:
         return self.blocks_hot + self.blocks_warm
-
-
-@dataclass(frozen=True)
-class _Daemon:
-    """One daemon: its block client and, where its devices are visible, a direct reader."""
-
-    address: str
-    client: object
-    reader: DirectReader | None
 
 
 class KVCache:
@@ -107,24 +99,32 @@ class KVCache:
         self.codec = get_codec(namespace.codec)
         self.device = device
         self.transport = transport
+        if self.layout.layer_groups > 1 and isinstance(self.codec, MixedCodec):
+            raise ValueError("the mixed codec chooses per layer of a whole block: use layer_groups=1 with it")
         self._hot = HotPool(self.layout, hot_pool_bytes, device)
-        self._encoder = BlockEncoder(self.layout, namespace.id, self.codec)
+        self._encoders = [BlockEncoder(self.layout, namespace.id, self.codec, self.layout.group_layers(g))
+                          for g in range(self.layout.layer_groups)]
         self._saves = SaveQueue(save_queue_bytes)
         self._stats = {name: TierRecorder(name) for name in ("hot", "warm", "cold")}
         self._counters_lock = threading.Lock()
         self._requested = 0
         self._stored = 0
-        self._daemons: list[_Daemon] = []
-        self._routing = Rendezvous(addrs)  # member i is self._daemons[i]
+        daemons: list[Daemon] = []
         self._executor = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-cache")
         self._streams = max(1, min(FETCH_STREAMS_MAX, pool_size))
         # GET streams run here, never on _executor: a prefetch waiting on its own pool could deadlock
         self._io = ThreadPoolExecutor(max_workers=self._streams * len(addrs), thread_name_prefix="kvtier-get")
+        # a streaming load's layer-group fetches: they wait on _io, and their driver on them
+        self._group_fetches = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-group")
+        # member i of the routing is daemons[i]
+        self._warm = WarmTier(namespace, self.codec.codec_id, daemons, Rendezvous(addrs), self._io, self._streams,
+                              self._stats["warm"])
         try:
             for addr in addrs:
                 client = BlockClient(addr, token=token, pool_size=pool_size, timeout_s=timeout_s)
-                self._daemons.append(_Daemon(addr, client, None))
-                self._daemons[-1] = _Daemon(addr, client, self._open_reader(client, device_map, direct_backend))
+                daemons.append(Daemon(addr, client, None))
+                daemons[-1] = Daemon(addr, client, self._open_reader(client, device_map, direct_backend))
+                self._warm.daemons = list(daemons)
         except BaseException:
             self.close()
             raise
@@ -146,7 +146,7 @@ class KVCache:
 
     @property
     def direct_enabled(self) -> bool:
-        return any(d.reader is not None for d in self._daemons)
+        return any(d.reader is not None for d in self._warm.daemons)
 
     def lookup(self, tokens) -> int:
         """Leading stored tokens (whole blocks), hot pool first, then one
@@ -159,28 +159,13 @@ class KVCache:
         hot = 0
         while hot < len(keys) and self._hot.contains(keys[hot]):
             hot += 1
-        return hot + self._lookup_warm(keys[hot:])
-
-    def _lookup_warm(self, keys: list[bytes]) -> int:
-        if not keys:
-            return 0
-        first_missing = len(keys)
-        for daemon, idx in self._by_owner(keys).items():
-            present = daemon.client.lookup([keys[i] for i in idx], ns_id=self.namespace.id)
-            if present < len(idx):
-                first_missing = min(first_missing, idx[present])
-        return first_missing
+        return hot + self._warm.lookup(keys[hot:])
 
     # --- load ----------------------------------------------------------------
     def load(self, tokens, max_tokens: int | None = None) -> LoadedPrefix:
         """The longest stored prefix of ``tokens`` (at most ``max_tokens``), as
         per-layer K and V on the cache's device."""
-        token_list = _as_token_list(tokens)
-        if max_tokens is not None:
-            if max_tokens < 0:
-                raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-            token_list = token_list[:max_tokens]
-        keys = self.keys_for(token_list)
+        keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
         with self._held(keys, prefix_only=True) as held:
             out = empty_kv(self.layout, len(held.blocks), self.device)
             scratch: list = []
@@ -211,6 +196,67 @@ class KVCache:
                     out.append(None if block is None else block.clone())
             return out
 
+    def start_load(self, tokens, max_tokens: int | None = None) -> PrefixLoad:
+        """Start loading the longest stored prefix of ``tokens`` (at most ``max_tokens``)
+        and return at once with its tensors, which fill layer group by layer group
+        (:class:`~.prefix_load.PrefixLoad`: ``wait_layer(i)`` before using layer i)."""
+        keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
+        with self._counters_lock:
+            self._requested += len(keys)
+        started = time.perf_counter()
+        with self._hot.lease(keys, prefix_only=True) as lease:
+            hot = lease.hits
+            self._stats["hot"].record(hits=hot, misses=len(keys) - hot, bytes_read=hot * self.layout.block_raw_bytes,
+                                      latency_s=time.perf_counter() - started)
+            warm_keys = keys[hot:]
+            warm = self._warm.lookup(warm_keys)
+            out = empty_kv(self.layout, hot + warm, self.device)
+            for i in range(hot):
+                copy_block_into(out, i, lease.block(i), self.layout)
+        self._stats["warm"].record(misses=len(warm_keys) - warm)  # absent at the LOOKUP: never fetched
+        load = PrefixLoad(self.layout, (hot + warm) * self.layout.block_tokens, tuple(layers_of(out)),
+                          blocks_hot=hot, blocks_warm=warm, transports={})
+        if not warm:
+            for group in range(self.layout.layer_groups):
+                load.group_done(group)
+            return load
+        self._executor.submit(self._stream_groups, load, out, warm_keys[:warm], hot)
+        return load
+
+    def _stream_groups(self, load: PrefixLoad, out, keys: list[bytes], first: int) -> None:
+        """Fetch and decode each layer group of the warm blocks in turn, the next group's
+        fetch in flight while one is decoded."""
+        try:
+            groups = self.layout.layer_groups
+            fetch = functools.partial(self._warm.fetch, keys, True, load.transports)
+            ahead = [self._group_fetches.submit(fetch, [g], count_blocks=(g == 0)) for g in range(min(2, groups))]
+            scratch: list = []
+            for group in range(groups):
+                objects = ahead[group].result()
+                if group + 2 < groups:
+                    ahead.append(self._group_fetches.submit(fetch, [group + 2], count_blocks=False))
+                for i, parts in enumerate(objects):
+                    if parts is None or not self._decode_into(parts, out, first + i, scratch, [group]):
+                        load.shorten((first + i) * self.layout.block_tokens)
+                        return
+                load.group_done(group)
+            self._keep_hot(keys, lambda slot, i: copy_tensor(slot, out[:, :, 0, :, self._block_tokens(first + i)]))
+        except Exception as exc:  # the consumer sees it at its next wait
+            log.exception("event=streaming_load_failed tokens=%d", load.num_tokens)
+            load.fail(exc)
+
+    def _block_tokens(self, index: int) -> slice:
+        b = self.layout.block_tokens
+        return slice(index * b, (index + 1) * b)
+
+    def _prefix_tokens(self, tokens, max_tokens: int | None) -> list[int]:
+        token_list = _as_token_list(tokens)
+        if max_tokens is not None:
+            if max_tokens < 0:
+                raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+            token_list = token_list[:max_tokens]
+        return token_list
+
     def prefetch(self, tokens, max_tokens: int | None = None) -> Future:
         """Start :meth:`load` now; the future's result is its LoadedPrefix."""
         return self._executor.submit(self.load, tokens, max_tokens)
@@ -234,7 +280,7 @@ class KVCache:
                 wanted = [i for i, blk in enumerate(blocks) if blk is None]
             transports: dict[str, int] = {}
             if wanted:
-                fetched = self._fetch_warm([keys[i] for i in wanted], prefix_only, transports)
+                fetched = self._warm.fetch([keys[i] for i in wanted], prefix_only, transports)
                 for i, block in zip(wanted, fetched):
                     blocks[i] = self._place(stack, keys[i], block) if block is not None else None
                     if blocks[i] is None and prefix_only:
@@ -271,117 +317,42 @@ class KVCache:
 
         return torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout), device=self.device)
 
-    def _decode_into(self, block, out, index: int, scratch: list) -> bool:
-        """Decode a block straight into its tokens' place in ``out`` (raw payloads on the
-        host: one copy); other codecs and devices decode into a reused scratch block first."""
+    def _decode_into(self, objects, out, index: int, scratch: list, groups: Sequence[int] | None = None) -> bool:
+        """Decode a block's objects (its layer groups ``groups``, all by default) straight
+        into their tokens' place in ``out`` (raw payloads on the host: one copy); other
+        codecs and devices decode into a reused scratch block first."""
         b = self.layout.block_tokens
-        if self.codec.name == "raw" and out.device.type == "cpu":
-            return self._decode(block, out[:, :, 0, :, index * b:(index + 1) * b])
-        if not scratch:
-            scratch.append(self._empty_block())
-        if not self._decode(block, scratch[0]):
-            return False
-        copy_block_into(out, index, scratch[0], self.layout)
+        groups = range(self.layout.layer_groups) if groups is None else groups
+        for group, data in zip(groups, objects):
+            layers = self.layout.group_layers(group)
+            dest = out[layers.start:layers.stop, :, 0, :, index * b:(index + 1) * b]
+            if self.codec.name == "raw" and out.device.type == "cpu":
+                if not self._decode_object(data, dest):
+                    return False
+                continue
+            if not scratch:
+                scratch.append(self._empty_block())
+            part = scratch[0][:len(layers)]
+            if not self._decode_object(data, part):
+                return False
+            copy_tensor(dest, part)
         return True
 
-    def _decode(self, block, out) -> bool:
-        """Decode a block's payload into ``out``; False (a miss) for a payload
-        the codec rejects - wrong KV never reaches the engine."""
+    def _decode(self, objects, out) -> bool:
+        """Decode a block's objects into ``out`` (a ``block_shape`` tensor); False (a miss)
+        for a payload the codec rejects - wrong KV never reaches the engine."""
+        for group, data in enumerate(objects):
+            layers = self.layout.group_layers(group)
+            if not self._decode_object(data, out[layers.start:layers.stop]):
+                return False
+        return True
+
+    def _decode_object(self, data, out) -> bool:
         try:
-            self.codec.decode(payload_of(block), out)
+            self.codec.decode(payload_of(data), out)
         except ValueError:
             return False
         return True
-
-    def _fetch_warm(self, keys: list[bytes], prefix_only: bool, transports: dict[str, int]) -> list:
-        """Verified blocks (header + payload) from the daemons, None per miss;
-        ``transports`` gets the blocks delivered per transport."""
-        started = time.perf_counter()
-        results: list = [None] * len(keys)
-        via: list[str | None] = [None] * len(keys)
-        fallbacks = 0
-        for daemon, idx in self._by_owner(keys).items():
-            got, names, fell = self._fetch_from(daemon, [keys[i] for i in idx], prefix_only)
-            fallbacks += fell
-            for i, block, name in zip(idx, got, names):
-                results[i], via[i] = block, name
-        if prefix_only:
-            cut = next((i for i, blk in enumerate(results) if blk is None), len(results))
-            results[cut:] = [None] * (len(results) - cut)
-            via[cut:] = [None] * (len(via) - cut)
-        for name in via:
-            if name is not None:
-                transports[name] = transports.get(name, 0) + 1
-        hits = sum(transports.values())
-        nbytes = sum(len(r) for r in results if r is not None)
-        rec = self._stats["warm"]
-        rec.record(misses=len(keys) - hits, bytes_read=nbytes, latency_s=time.perf_counter() - started,
-                   fallbacks=fallbacks)
-        for name, count in transports.items():
-            rec.record(hits=count, transport=name)
-        return results
-
-    def _fetch_from(self, daemon: _Daemon, keys: list[bytes], prefix_only: bool):
-        """(blocks, transport name per block, fallbacks) from one daemon."""
-        blocks: list = [None] * len(keys)
-        via: list[str | None] = [None] * len(keys)
-        tcp_idx = list(range(len(keys)))
-        fallbacks = 0
-        if daemon.reader is not None:
-            present, found = daemon.client.lookup_locations(keys, ns_id=self.namespace.id)
-            locations = list(found) + [None] * (len(keys) - len(found))
-            span = present if prefix_only else len(keys)
-            direct_idx = [i for i in range(span) if locations[i] is not None and locations[i].sealed]
-            if direct_idx:
-                try:
-                    got = daemon.reader.read_many(
-                        [keys[i] for i in direct_idx],
-                        [DirectLocation(locations[i].logical_offset, locations[i].length, locations[i].seq)
-                         for i in direct_idx])
-                except (OSError, ValueError) as exc:
-                    # an unreadable device or a location outside the geometry we hold (the
-                    # daemon was re-formatted): every block goes to TCP instead
-                    log.warning("event=direct_read_failed daemon=%s error=%s", daemon.address, exc)
-                    got = [None] * len(direct_idx)
-                for i, block in zip(direct_idx, got):
-                    if block is not None and self._header_ok(block, keys[i]):
-                        blocks[i], via[i] = block, "direct"
-                    else:
-                        fallbacks += 1
-            # unsealed blocks and direct-read failures go to TCP
-            tcp_idx = [i for i in range(span) if blocks[i] is None and locations[i] is not None]
-        if tcp_idx:
-            got = self._get_many(daemon, [keys[i] for i in tcp_idx])
-            for i, block in zip(tcp_idx, got):
-                if block is not None and self._header_ok(block, keys[i]):
-                    blocks[i], via[i] = block, "tcp"
-        return blocks, via, fallbacks
-
-    def _get_many(self, daemon: _Daemon, keys: list[bytes]) -> list:
-        """GET over TCP, split into up to ``_streams`` contiguous batches that
-        run in parallel on the client's connection pool (the daemon reads
-        them from its devices concurrently)."""
-        # copy=False: verified read-only views into the reply buffers, which live as
-        # long as a view does; decoding reads them once instead of copying them first
-        get = functools.partial(daemon.client.get_many, ns_id=self.namespace.id, copy=False)
-        streams = min(self._streams, len(keys) // FETCH_STREAM_BLOCKS_MIN)
-        if streams <= 1:
-            return get(keys)
-        bounds = [len(keys) * i // streams for i in range(streams + 1)]
-        futures = [self._io.submit(get, keys[a:b]) for a, b in zip(bounds, bounds[1:])]
-        out: list = []
-        for fut in futures:
-            out.extend(fut.result())
-        return out
-
-    def _header_ok(self, block, key: bytes) -> bool:
-        """The block is this namespace's, this key's, and in this codec (the
-        CRCs were checked by whoever read it)."""
-        try:
-            head = decode_header(block)
-        except BlockFormatError:
-            return False
-        return head.key == key and head.ns_id == self.namespace.id and head.codec_id == self.codec.codec_id
 
     # --- store ---------------------------------------------------------------
     def store(self, tokens, kv, durable: bool = False) -> int:
@@ -389,13 +360,16 @@ class KVCache:
         ``[1, kv_heads, T, head_dim]``) covers and the daemon does not hold
         yet; keep them hot. Returns the number of blocks written."""
         keys, kv_tokens = self._store_keys(tokens, kv)
-        known = self._lookup_warm(keys)
+        known = self._warm.lookup(keys)
         new = keys[known:]
         if not new:
             return 0
         self._keep_hot(new, lambda slot, i: gather_block(kv, self.layout, known + i, slot))
-        with self._encoder.encode(kv, known, new, seq_tokens=kv_tokens) as blocks:
-            return self._send(new, blocks, durable)
+        built = self._encode(kv, known, new, kv_tokens)
+        try:
+            return self._send(new, [group.blocks for group in built], durable)
+        finally:
+            _release(built)
 
     def store_async(self, tokens, kv, durable: bool = False) -> Future:
         """Write-behind :meth:`store`: the blocks are copied out of ``kv`` now (the engine
@@ -404,9 +378,33 @@ class KVCache:
         save is dropped and counted in ``statistics().saves``)."""
         keys, kv_tokens = self._store_keys(tokens, kv)
         self._keep_hot(keys, lambda slot, i: gather_block(kv, self.layout, i, slot))
-        built = self._encoder.encode(kv, 0, keys, seq_tokens=kv_tokens)
-        return self._saves.submit(built.nbytes, len(keys), lambda: self._send_new(keys, built, durable),
-                                  on_drop=built.release)
+        built = self._encode(kv, 0, keys, kv_tokens)
+        return self._saves.submit(sum(group.nbytes for group in built), len(keys),
+                                  lambda: self._send_new(keys, built, durable), on_drop=lambda: _release(built))
+
+    def _encode(self, kv, first_block: int, keys: list[bytes], kv_tokens: int) -> list:
+        """Each layer group's objects of blocks ``first_block ..`` of ``kv``, in send buffers."""
+        built: list = []
+        try:
+            for group, encoder in enumerate(self._encoders):
+                built.append(encoder.encode(kv, first_block, self._warm.objects_of(keys, [group]),
+                                            seq_tokens=kv_tokens))
+        except BaseException:
+            _release(built)
+            raise
+        return built
+
+    def _encode_tensors(self, keys: list[bytes], blocks: Sequence) -> list:
+        built: list = []
+        try:
+            for group, encoder in enumerate(self._encoders):
+                layers = self.layout.group_layers(group)
+                built.append(encoder.encode_tensors([b[layers.start:layers.stop] for b in blocks],
+                                                    self._warm.objects_of(keys, [group])))
+        except BaseException:
+            _release(built)
+            raise
+        return built
 
     def _store_keys(self, tokens, kv) -> tuple[list[bytes], int]:
         token_list = _as_token_list(tokens)
@@ -422,20 +420,26 @@ class KVCache:
         if not keys:
             return 0
         self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
-        with self._encoder.encode_tensors(blocks, keys) as built:
-            return self._send(keys, built, durable)
+        built = self._encode_tensors(keys, blocks)
+        try:
+            return self._send(keys, [group.blocks for group in built], durable)
+        finally:
+            _release(built)
 
     def store_blocks_async(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> Future:
         """Write-behind :meth:`store_blocks` (see :meth:`store_async`); no LOOKUP first."""
         keys = list(keys)
         self._check_blocks(keys, blocks)
         self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
-        built = self._encoder.encode_tensors(blocks, keys)
+        built = self._encode_tensors(keys, blocks)
 
         def save() -> int:
-            with built as views:
-                return self._send(keys, views, durable)
-        return self._saves.submit(built.nbytes, len(keys), save, on_drop=built.release)
+            try:
+                return self._send(keys, [group.blocks for group in built], durable)
+            finally:
+                _release(built)
+        return self._saves.submit(sum(group.nbytes for group in built), len(keys), save,
+                                  on_drop=lambda: _release(built))
 
     def _check_blocks(self, keys: list[bytes], blocks: Sequence) -> None:
         if len(keys) != len(blocks):
@@ -446,20 +450,21 @@ class KVCache:
             if str(block.dtype).rpartition(".")[2] != self.layout.dtype:
                 raise ValueError(f"block {i} is {block.dtype}, the namespace layout is {self.layout.dtype}")
 
-    def _send_new(self, keys: list[bytes], built, durable: bool) -> int:
+    def _send_new(self, keys: list[bytes], built: list, durable: bool) -> int:
         """The background half of :meth:`store_async`: PUT the blocks the daemons lack."""
-        with built as views:
-            known = self._lookup_warm(keys)
-            return self._send(keys[known:], views[known:], durable) if known < len(keys) else 0
+        try:
+            known = self._warm.lookup(keys)
+            if known == len(keys):
+                return 0
+            return self._send(keys[known:], [group.blocks[known:] for group in built], durable)
+        finally:
+            _release(built)
 
-    def _send(self, keys: list[bytes], blocks: Sequence[memoryview], durable: bool) -> int:
-        for daemon, idx in self._by_owner(keys).items():
-            daemon.client.put_many([(keys[i], blocks[i]) for i in idx], durable=durable)
-        # tier latencies describe reads (what TTFT waits for); writes count bytes only
-        self._stats["warm"].record(bytes_written=sum(b.nbytes for b in blocks))
+    def _send(self, keys: list[bytes], objects: list, durable: bool) -> int:
+        sent = self._warm.send(keys, objects, durable)
         with self._counters_lock:
-            self._stored += len(keys)
-        return len(keys)
+            self._stored += sent
+        return sent
 
     def _keep_hot(self, keys: Sequence[bytes], fill) -> None:
         """Copy the blocks into the hot pool (``fill(slot, i)`` writes block i), when it has room."""
@@ -470,13 +475,8 @@ class KVCache:
     def flush(self) -> None:
         """Ask every daemon to write out and seal its open region: stored
         blocks become durable and readable by direct device reads."""
-        for daemon in self._daemons:
+        for daemon in self._warm.daemons:
             daemon.client.flush()
-
-    # --- routing -------------------------------------------------------------
-    def _by_owner(self, keys: Sequence[bytes]) -> dict[_Daemon, list[int]]:
-        """``{daemon: [indices of keys it owns]}`` (:mod:`.routing`)."""
-        return {self._daemons[m]: idx for m, idx in self._routing.groups(keys).items()}
 
     # --- statistics and lifecycle -------------------------------------------
     def statistics(self) -> CacheStatistics:
@@ -494,12 +494,13 @@ class KVCache:
         """Drain accepted write-behind saves, then close every connection."""
         self._saves.close()
         self._executor.shutdown(wait=True)
+        self._group_fetches.shutdown(wait=True)
         self._io.shutdown(wait=True)
-        for daemon in self._daemons:
+        for daemon in self._warm.daemons:
             if daemon.reader is not None:
                 daemon.reader.close()
             daemon.client.close()
-        self._daemons = []
+        self._warm.daemons = []
 
     def __enter__(self) -> "KVCache":
         return self
@@ -543,6 +544,11 @@ class _Held:
     blocks: list
     hot: int
     transports: Mapping[str, int]
+
+
+def _release(built: list) -> None:
+    for group in built:
+        group.release()
 
 
 def _as_tensor(block):

@@ -29,6 +29,7 @@ import numpy as np
 KEY_SIZE_BYTES = 16  # also the NVMe Key-Value command set's maximum key size
 _NS_PERSON = b"kvtier-ns-v1"
 _BLOCK_PERSON = b"kvtier-blk-v1"
+_GROUP_PERSON = b"kvtier-grp-v1"
 TOKEN_ID_MAX = 2**32 - 1  # tokens are hashed as uint32
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -36,21 +37,48 @@ KV_DTYPES = ("float16", "bfloat16", "float32")
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of the KV cache a block holds: every layer's K and V for
-    ``block_tokens`` tokens."""
+    ``block_tokens`` tokens.
+
+    ``layer_groups`` > 1 stores each block as that many objects, one per group of
+    consecutive layers, each under a key of its own (:func:`layer_group_key`): a
+    reader hands layer group 0 of every block to the model while the later groups
+    are still arriving::
+
+        block i = [layers 0..a) [layers a..b) ... [layers ..L)    group g: key(i, g)
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float16"
     block_tokens: int = 16
+    layer_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "layer_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KVLayout.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.layer_groups > self.num_layers:
+            raise ValueError(f"KVLayout.layer_groups {self.layer_groups} is more than its {self.num_layers} layers")
+
+    def group_layers(self, group: int) -> range:
+        """The layers of layer group ``group`` (groups differ in size by at most one layer)."""
+        if not 0 <= group < self.layer_groups:
+            raise ValueError(f"layer group {group} is outside 0..{self.layer_groups - 1}")
+        return range(group * self.num_layers // self.layer_groups, (group + 1) * self.num_layers // self.layer_groups)
+
+    def group_of_layer(self, layer: int) -> int:
+        """The layer group holding ``layer``."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+        return ((layer + 1) * self.layer_groups - 1) // self.num_layers
+
+    def group_shape(self, group: int) -> tuple[int, int, int, int, int]:
+        """``block_shape`` of one layer group."""
+        return (len(self.group_layers(group)), *self.block_shape[1:])
 
     @property
     def itemsize(self) -> int:
@@ -106,6 +134,8 @@ class Namespace:
                 "head_dim": self.layout.head_dim,
                 "dtype": self.layout.dtype,
                 "block_tokens": self.layout.block_tokens,
+                # blocks stored whole keep the ids they had before layer groups existed
+                **({"layer_groups": self.layout.layer_groups} if self.layout.layer_groups != 1 else {}),
             },
             "codec": self.codec,
             "tenant_salt": self.tenant_salt,
@@ -218,3 +248,12 @@ class KeyChain:
             data = memoryview(tokens_as_uint32(tokens[done:full])).cast("B")
             _extend_chain(prev, data, self._block_tokens * 4, self._keys)
         return self._keys
+
+
+def layer_group_key(block_key: bytes, group: int) -> bytes:
+    """The key of layer group ``group`` of a block: the block's own key for group 0,
+    a digest of the block key and the group number for the others."""
+    if group == 0:
+        return block_key
+    return hashlib.blake2b(group.to_bytes(4, "little"), digest_size=KEY_SIZE_BYTES, person=_GROUP_PERSON,
+                           key=block_key).digest()

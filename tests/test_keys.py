@@ -148,3 +148,24 @@ def test_namespace_id_is_computed_once():
     ns = Namespace("m", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4))
     assert ns.id is ns.id
     assert ns.id == Namespace("m", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)).id
+
+
+def test_layer_groups_split_layers_evenly_and_keep_ids_of_whole_blocks():
+    from kvtier.common.keys import layer_group_key
+
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, layer_groups=3)
+    assert [layout.group_layers(g) for g in range(3)] == [range(0, 10), range(10, 21), range(21, 32)]
+    assert [layout.group_of_layer(i) for i in (0, 9, 10, 20, 21, 31)] == [0, 0, 1, 1, 2, 2]
+    assert layout.group_shape(1) == (11, 2, 8, 16, 128)
+    whole = Namespace("m", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128))
+    assert b"layer_groups" not in whole.canonical()  # ids of existing namespaces do not change
+    assert Namespace("m", layout).id != whole.id
+    key = whole.keys(list(range(16)))[0]
+    assert layer_group_key(key, 0) == key
+    group_keys = {layer_group_key(key, g) for g in range(1, 4)}
+    assert len(group_keys) == 3 and key not in group_keys
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="layer_groups"):
+            KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, layer_groups=bad)
+    with pytest.raises(ValueError, match="outside"):
+        layout.group_layers(3)

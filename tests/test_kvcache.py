@@ -386,3 +386,78 @@ def test_store_blocks_refuses_a_wrong_dtype(daemon):
         keys = cache.keys_for(list(range(8)))
         with pytest.raises(ValueError, match="float32, the namespace layout is float16"):
             cache.store_blocks(keys, [torch.zeros(LAYOUT.block_shape, dtype=torch.float32)])
+
+
+GROUPED = KVLayout(num_layers=5, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8, layer_groups=3)
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_layer_groups_store_and_load_whole_blocks(daemon, codec):
+    tokens = list(range(9000, 9040))
+    kv = make_kv(40, seed=3, layout=GROUPED)
+    with KVCache(ns(f"groups-{codec}", codec=codec, layout=GROUPED), daemon.data_addr, hot_pool_bytes=0) as cache:
+        assert cache.store(tokens, kv) == 5
+        assert cache.lookup(tokens) == 40
+        loaded = cache.load(tokens)
+        assert loaded.num_tokens == 40 and loaded.transports == {"tcp": 5}
+        if codec == "raw":
+            assert prefix_equal(loaded.layers, kv, 40)
+        streamed = cache.start_load(tokens)
+        streamed.wait(30)
+        assert streamed.num_tokens == 40 and streamed.valid_tokens == 40
+        for (k, v), (sk, sv) in zip(loaded.layers, streamed.layers):
+            assert torch.equal(k, sk) and torch.equal(v, sv)
+        blocks = cache.load_blocks(cache.keys_for(tokens))
+        assert all(b is not None and tuple(b.shape) == GROUPED.block_shape for b in blocks)
+        stats = cache.statistics()
+        assert stats.warm.hits == 3 * 5 and stats.warm.transports == {"tcp": 15}  # load, start_load, load_blocks
+        check_adds_up(stats)
+
+
+def test_a_block_missing_one_layer_group_is_a_miss(daemon):
+    from kvtier.common.keys import layer_group_key
+
+    tokens = list(range(9100, 9140))
+    namespace = ns("groups-missing", layout=GROUPED)
+    kv = make_kv(40, seed=4, layout=GROUPED)
+    with KVCache(namespace, daemon.data_addr, hot_pool_bytes=0) as cache:
+        assert cache.store(tokens, kv) == 5
+        keys = cache.keys_for(tokens)
+        with BlockClient(daemon.data_addr) as client:
+            assert client.delete_many([layer_group_key(keys[3], 2)]) == [True]  # the last group of block 3
+        assert cache.lookup(tokens) == 24
+        assert cache.load(tokens).num_tokens == 24
+        assert [b is None for b in cache.load_blocks(keys)] == [False, False, False, True, False]
+        assert cache.store(tokens, kv) == 2  # blocks 3 and 4 again: a chain is stored from its first gap
+
+
+def test_a_streaming_load_hands_each_group_over_and_reports_a_shrunk_prefix(daemon):
+    from kvtier.client.prefix_load import PrefixShortened
+    from kvtier.common.keys import layer_group_key
+
+    tokens = list(range(9200, 9240))
+    kv = make_kv(40, seed=5, layout=GROUPED)
+    with KVCache(ns("groups-stream", layout=GROUPED), daemon.data_addr, hot_pool_bytes=0) as cache:
+        cache.store(tokens, kv)
+        load = cache.start_load(tokens)
+        for layer in range(GROUPED.num_layers):
+            load.wait_layer(layer, 30)
+            k, v = load.layers[layer]
+            assert torch.equal(k, kv[layer][0]) and torch.equal(v, kv[layer][1])
+        keys = cache.keys_for(tokens)
+        # a later group disappears between the LOOKUP and its GET: the prefix shrinks, the waits say so
+        original_lookup = cache._warm.lookup
+        with BlockClient(daemon.data_addr) as client:
+            cache._warm.lookup = lambda ks: (original_lookup(ks), client.delete_many([layer_group_key(keys[2], 1)]))[0]
+            shrunk = cache.start_load(tokens)
+            with pytest.raises(PrefixShortened) as err:
+                shrunk.wait(30)
+        assert (err.value.valid_tokens, err.value.promised_tokens) == (16, 40)
+        assert shrunk.valid_tokens == 16
+        with pytest.raises(PrefixShortened):
+            shrunk.wait_layer(4, 30)
+
+
+def test_layer_groups_reject_the_mixed_codec(daemon):
+    with pytest.raises(ValueError, match="layer_groups=1"):
+        KVCache(ns("groups-mixed", codec="mixed", layout=GROUPED), daemon.data_addr)

@@ -49,7 +49,7 @@ def test_direct_reads_return_the_same_bytes_as_tcp(daemon):
         assert after.transports == {"direct": 12}
         assert same_prefix(after.layers, kv, len(tokens)) and same_prefix(before.layers, kv, len(tokens))
         keys = cache.keys_for(tokens)
-        client = cache._daemons[0].client
+        client = cache._warm.daemons[0].client
         present, locs = client.lookup_locations(keys)
         assert present == 12 and all(loc.sealed for loc in locs)
         with DirectReader(client.geometry(), device_map_of(daemon)) as reader:
@@ -79,7 +79,7 @@ def test_corrupted_device_bytes_are_a_miss_never_data(daemon):
     dmap = device_map_of(daemon)
     with KVCache(ns, daemon.data_addr, hot_pool_bytes=0, device_map=dmap, transport="direct") as cache:
         cache.store(tokens, kv)
-        client = cache._daemons[0].client
+        client = cache._warm.daemons[0].client
         client.flush()
         keys = cache.keys_for(tokens)
         _, locs = client.lookup_locations(keys)
@@ -95,7 +95,7 @@ def test_corrupted_device_bytes_are_a_miss_never_data(daemon):
         assert loaded.num_tokens == 32 and same_prefix(loaded.layers, kv, 32)
         stats = cache.statistics()
         assert stats.warm.fallbacks >= 1
-        assert cache._daemons[0].reader.statistics().validation_failures >= 1
+        assert cache._warm.daemons[0].reader.statistics().validation_failures >= 1
 
 
 def test_recycled_region_is_detected_and_tcp_serves_the_block(tmp_path):
@@ -110,7 +110,7 @@ def test_recycled_region_is_detected_and_tcp_serves_the_block(tmp_path):
         kv = make_kv(len(tokens), seed=3)
         dmap = device_map_of(small)
         with KVCache(ns, small.data_addr, hot_pool_bytes=0, device_map=dmap, transport="direct") as cache:
-            client = cache._daemons[0].client
+            client = cache._warm.daemons[0].client
             keys = cache.keys_for(tokens)
             cache.store(tokens, kv)
             client.flush()
@@ -138,7 +138,7 @@ def test_recycled_region_is_detected_and_tcp_serves_the_block(tmp_path):
             assert loaded.transports == {"tcp": 3}
             stats = cache.statistics()
             assert stats.warm.fallbacks == 3
-            assert cache._daemons[0].reader.statistics().validation_failures == 3
+            assert cache._warm.daemons[0].reader.statistics().validation_failures == 3
     finally:
         assert small.stop() == 0, small.log_tail()
 
@@ -153,7 +153,7 @@ def test_a_failing_direct_read_falls_back_to_tcp(daemon, tmp_path):
     with KVCache(ns, daemon.data_addr, hot_pool_bytes=0) as plain:
         assert plain.store(tokens, kv) == 6
         plain.flush()
-        data_offset = plain._daemons[0].client.geometry().data_offset_bytes
+        data_offset = plain._warm.daemons[0].client.geometry().data_offset_bytes
     stubs = {}
     for dev, path in device_map_of(daemon).items():
         stub = tmp_path / f"{dev}.img"

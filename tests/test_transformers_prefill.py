@@ -147,3 +147,48 @@ def test_bad_input(model, daemon):
             prefill(model, torch.zeros(2, 8, dtype=torch.long), cache)
         with pytest.raises(ValueError, match="empty"):
             prefill(model, torch.zeros(1, 0, dtype=torch.long), cache)
+
+
+def _grouped_namespace(model, groups: int):
+    from kvtier.common.keys import KVLayout, Namespace
+
+    base = namespace_for(model, "test/llama-random@seed0", BLOCK_TOKENS, codec="raw")
+    layout = KVLayout(**{**base.layout.__dict__, "layer_groups": groups})
+    return Namespace(base.model, layout, base.codec)
+
+
+def test_a_streaming_prefill_over_layer_groups_gives_the_in_memory_logits(model, daemon):
+    """Layer i runs once its group has arrived: the logits are bitwise those of a suffix
+    prefill over the prefix's KV held in memory, and of the load-everything-first path."""
+    ns = _grouped_namespace(model, groups=3)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 512, (1, 70), generator=g)
+    _, ref_cache = full_prefill(model, ids)
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0) as cache:
+        assert prefill(model, ids, cache).stored_blocks == 4
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0) as cache:
+        streamed = prefill(model, ids, cache, store=False)
+        whole = prefill(model, ids, cache, store=False, streaming=False)
+    assert streamed.loaded_tokens == whole.loaded_tokens == 64
+    ideal = suffix_prefill_in_memory(model, ids, ref_cache, 64)
+    assert torch.equal(streamed.logits, ideal) and torch.equal(whole.logits, ideal)
+
+
+def test_a_prefix_that_shrinks_while_streaming_is_prefilled_again(model, daemon):
+    from kvtier.client import BlockClient
+    from kvtier.common.keys import layer_group_key
+
+    ns = _grouped_namespace(model, groups=3)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 512, (1, 70), generator=g)
+    _, ref_cache = full_prefill(model, ids)
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0) as cache:
+        prefill(model, ids, cache)
+        keys = cache.keys_for(ids[0].tolist())
+        lookup = cache._warm.lookup
+        with BlockClient(daemon.data_addr) as client:
+            # the last group of block 2 goes away between the LOOKUP and its GET
+            cache._warm.lookup = lambda ks: (lookup(ks), client.delete_many([layer_group_key(keys[2], 2)]))[0]
+            result = prefill(model, ids, cache, store=False)
+    assert result.loaded_tokens == 32
+    assert torch.equal(result.logits, suffix_prefill_in_memory(model, ids, ref_cache, 32))

@@ -2,11 +2,16 @@
 
 ::
 
-    prompt tokens ----> KVCache.load(tokens, max_tokens=T-1)     stored prefix P (whole blocks)
-                         -> DynamicCache(ddp_cache_data=[(k, v), ...])
-    tokens[P:]    ----> model(suffix, cache=that DynamicCache)    prefill of the suffix only
+    prompt tokens ----> KVCache.start_load(tokens, max_tokens=T-1)   stored prefix P (whole blocks):
+                         -> a DynamicCache over its tensors          their length known at once,
+    tokens[P:]    ----> model(suffix, cache=that cache)              filled layer group by group;
+                         layer i's update() waits for layer i        layer 0 runs while the rest arrive
                          -> logits of the last token, the full DynamicCache
                          -> KVCache.store(tokens, cache layers)   new full blocks only
+
+A prefix that shrinks while loading (a block evicted or corrupt after the LOOKUP) is
+noticed at the next layer's wait; the prompt is then prefilled again from the prefix
+that is still good. ``streaming=False`` loads the whole prefix before the model runs.
 
 At least one token is always prefilled (the model must produce the last
 token's logits), so a fully stored prompt loads ``T-1`` tokens rounded down
@@ -19,6 +24,7 @@ helper picks whichever the model's ``forward`` accepts.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass
@@ -82,6 +88,40 @@ def cache_from_layers(layers) -> Any:
     return cache
 
 
+@functools.cache
+def _streaming_cache_class() -> type:
+    from transformers import DynamicCache
+
+    class StreamingDynamicCache(DynamicCache):
+        """A DynamicCache over a :class:`~kvtier.client.prefix_load.PrefixLoad`'s tensors:
+        layer i's first update waits for layer i's KV (lengths are right from the start,
+        so positions and masks need no wait)."""
+
+        def __init__(self, load: Any) -> None:
+            super().__init__(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in load.layers])
+            for layer, (k, v) in zip(self.layers, load.layers):
+                layer.keys, layer.values = k, v
+            self._load = load
+            self._waited: set[int] = set()
+
+        def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+            if layer_idx not in self._waited:
+                self._load.wait_layer(layer_idx)
+                self._waited.add(layer_idx)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return StreamingDynamicCache
+
+
+def streaming_cache(load: Any) -> Any:
+    """The model-facing cache of a streaming load (see the module doc)."""
+    if not load.layers:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+    return _streaming_cache_class()(load)
+
+
 def layers_of_cache(cache: Any) -> list:
     """Per-layer ``(k, v)`` of a DynamicCache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
@@ -104,10 +144,14 @@ class PrefillResult:
     store_s: float
 
 
-def prefill(model: Any, input_ids: Any, kvcache: Any, store: bool = True) -> PrefillResult:
+def prefill(model: Any, input_ids: Any, kvcache: Any, store: bool = True, streaming: bool = True) -> PrefillResult:
     """Load the stored prefix of ``input_ids`` ([1, T]) from ``kvcache``,
-    prefill the rest, store the new full blocks (unless ``store`` is False)."""
+    prefill the rest, store the new full blocks (unless ``store`` is False).
+    ``load_s`` is the time before the model starts (with streaming, the LOOKUP);
+    ``prefill_s`` includes any wait for a layer still loading."""
     import torch
+
+    from kvtier.client.prefix_load import PrefixShortened
 
     check_transformers_version()
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -116,13 +160,22 @@ def prefill(model: Any, input_ids: Any, kvcache: Any, store: bool = True) -> Pre
     if total == 0:
         raise ValueError("input_ids is empty: nothing to prefill")
     tokens = input_ids[0].tolist()
+    argument = _cache_argument(model)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        loaded = kvcache.load(tokens, max_tokens=total - 1)
-        cache = cache_from_layers(loaded.layers)
+        if streaming:
+            loaded = kvcache.start_load(tokens, max_tokens=total - 1)
+            cache = streaming_cache(loaded)
+        else:
+            loaded = kvcache.load(tokens, max_tokens=total - 1)
+            cache = cache_from_layers(loaded.layers)
         t1 = time.perf_counter()
-        out = model(input_ids[:, loaded.num_tokens:], use_cache=True, logits_to_keep=1,
-                    **{_cache_argument(model): cache})
+        try:
+            out = model(input_ids[:, loaded.num_tokens:], use_cache=True, logits_to_keep=1, **{argument: cache})
+        except PrefixShortened as shrunk:
+            loaded = kvcache.load(tokens, max_tokens=shrunk.valid_tokens)
+            cache = cache_from_layers(loaded.layers)
+            out = model(input_ids[:, loaded.num_tokens:], use_cache=True, logits_to_keep=1, **{argument: cache})
         t2 = time.perf_counter()
         stored = kvcache.store(tokens, layers_of_cache(cache)) if store else 0
         t3 = time.perf_counter()
