@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.common.aligned import aligned_buffer, align_up
+from kvtier.common.aligned import address_of, aligned_buffer, align_up
 from kvtier.common.blockformat import HEADER_SIZE, encode_header
 from kvtier.common.keys import KVLayout
 
@@ -30,10 +30,14 @@ LZ4_GROWTH_BYTES = 1 << 16  # what lz4 may add to incompressible input of a bloc
 
 
 class SendBuffers:
-    """A free list of page-aligned buffers of one size, keeping at most a byte limit idle."""
+    """A free list of page-aligned buffers of one size, keeping at most a byte limit idle.
 
-    def __init__(self, buffer_bytes: int, keep_bytes_max: int = SEND_BUFFERS_BYTES_MAX) -> None:
+    ``pinned`` page-locks each buffer for CUDA (``cudaHostRegister``), so a gather from
+    device memory is one DMA into the send buffer rather than a staged pageable copy."""
+
+    def __init__(self, buffer_bytes: int, keep_bytes_max: int = SEND_BUFFERS_BYTES_MAX, pinned: bool = False) -> None:
         self.buffer_bytes = align_up(buffer_bytes)
+        self.pinned = pinned
         self._keep_max = max(1, keep_bytes_max // self.buffer_bytes)
         self._free: list[memoryview] = []
         self._lock = threading.Lock()
@@ -44,12 +48,29 @@ class SendBuffers:
             if self._free:
                 return self._free.pop()
             self.allocated += 1
-        return aligned_buffer(self.buffer_bytes)
+        buf = aligned_buffer(self.buffer_bytes)
+        if self.pinned:
+            _cuda_host_register(buf, True)
+        return buf
 
     def give_back(self, buffers: Sequence[memoryview]) -> None:
         with self._lock:
             room = max(0, self._keep_max - len(self._free))
             self._free.extend(buffers[:room])
+        if self.pinned:
+            for buf in buffers[room:]:
+                _cuda_host_register(buf, False)
+
+
+def _cuda_host_register(buf: memoryview, register: bool) -> None:
+    import torch
+
+    cudart = torch.cuda.cudart()
+    address = address_of(buf)
+    status = cudart.cudaHostRegister(address, buf.nbytes, 0) if register else cudart.cudaHostUnregister(address)
+    if int(status) != 0:
+        raise OSError(f"cudaHost{'Register' if register else 'Unregister'} of a {buf.nbytes}-byte send buffer "
+                      f"failed: CUDA error {int(status)}")
 
 
 class EncodedBlocks:
@@ -80,7 +101,8 @@ class BlockEncoder:
     for one namespace and codec, each in a send buffer; see the module doc. ``layers``
     (a layer group, :meth:`KVLayout.group_layers`) builds objects of those layers only."""
 
-    def __init__(self, layout: KVLayout, ns_id: bytes, codec, layers: range | None = None) -> None:
+    def __init__(self, layout: KVLayout, ns_id: bytes, codec, layers: range | None = None,
+                 pinned: bool = False) -> None:
         from kvtier.kernels.arrays import BF16
 
         self.layout = layout
@@ -92,7 +114,7 @@ class BlockEncoder:
         self._dtype = BF16 if layout.dtype == "bfloat16" else np.dtype(layout.dtype)
         self._bits = np.dtype(f"i{self._dtype.itemsize}")  # what host_bits() views tensors as
         self._raw_header = codec.payload_header(self.shape, self._dtype) if codec.name == "raw" else None
-        self.buffers = SendBuffers(HEADER_SIZE + self._payload_size_max())
+        self.buffers = SendBuffers(HEADER_SIZE + self._payload_size_max(), pinned=pinned)
         self._scratch = threading.local()
 
     def _payload_size_max(self) -> int:

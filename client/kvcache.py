@@ -102,7 +102,8 @@ class KVCache:
         if self.layout.layer_groups > 1 and isinstance(self.codec, MixedCodec):
             raise ValueError("the mixed codec chooses per layer of a whole block: use layer_groups=1 with it")
         self._hot = HotPool(self.layout, hot_pool_bytes, device)
-        self._encoders = [BlockEncoder(self.layout, namespace.id, self.codec, self.layout.group_layers(g))
+        pinned = str(device).startswith("cuda")  # engine KV in HBM: gathers DMA into page-locked send buffers
+        self._encoders = [BlockEncoder(self.layout, namespace.id, self.codec, self.layout.group_layers(g), pinned)
                           for g in range(self.layout.layer_groups)]
         self._saves = SaveQueue(save_queue_bytes)
         self._stats = {name: TierRecorder(name) for name in ("hot", "warm", "cold")}

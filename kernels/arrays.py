@@ -36,7 +36,7 @@ def dtype_code(dtype: np.dtype) -> int:
     return DTYPE_CODES[dt]
 
 
-def _is_torch_tensor(x: Any) -> bool:
+def is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "is_cuda")
 
 
@@ -77,7 +77,7 @@ class DeviceView:
 
 def is_device_array(x: Any) -> bool:
     """True for CuPy arrays and CUDA torch tensors (anything exposing CUDA memory)."""
-    if _is_torch_tensor(x):
+    if is_torch_tensor(x):
         return bool(x.is_cuda)
     return hasattr(x, "__cuda_array_interface__")
 
@@ -86,7 +86,7 @@ def host_view(x: Any) -> np.ndarray:
     """A NumPy array sharing memory with ``x`` (NumPy array or CPU torch tensor)."""
     if isinstance(x, np.ndarray):
         arr = x
-    elif _is_torch_tensor(x):
+    elif is_torch_tensor(x):
         if x.is_cuda:
             raise ValueError("a CUDA tensor has no host view; use device_view")
         arr = _torch_host_view(x)
@@ -100,7 +100,7 @@ def device_view(x: Any) -> DeviceView:
     """A CuPy view sharing memory with ``x`` (CuPy array or CUDA torch tensor)."""
     import cupy
 
-    if _is_torch_tensor(x):
+    if is_torch_tensor(x):
         arr, kv_dtype = _torch_device_view(x)
     elif isinstance(x, cupy.ndarray):
         arr, kv_dtype = x, np.dtype(x.dtype)

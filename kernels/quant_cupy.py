@@ -6,12 +6,13 @@ arrays or CUDA torch tensors, viewed without copies (arrays.device_view).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from .arrays import BF16, FP16, FP32, device_view, dtype_code
+from .arrays import BF16, FP16, FP32, is_torch_tensor, device_view, dtype_code
 from .codec import QuantLayout, check_block_shape, check_length, check_out
 from .cuda_sources import codec_kernel_names, codec_source
 from .payload import PayloadHeader
@@ -38,6 +39,23 @@ def _launch(name: str, threads: int, args: tuple) -> None:
     kernel(name)((blocks,), (THREADS_PER_BLOCK,), args)
 
 
+@contextlib.contextmanager
+def torch_stream_of(*arrays: Any) -> Iterator[None]:
+    """CuPy's work in the body runs on the CUDA stream torch uses for the first torch
+    tensor among ``arrays`` (its current stream on that device), so it is ordered with
+    the engine's own kernels; with no torch tensor, on CuPy's current stream."""
+    tensor = next((a for a in arrays if is_torch_tensor(a) and a.is_cuda), None)
+    if tensor is None:
+        yield
+        return
+    import cupy
+    import torch
+
+    device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device):
+        yield
+
+
 def _contiguous_in(x: Any) -> tuple[Any, np.dtype]:
     import cupy
 
@@ -52,14 +70,14 @@ def _device_out(out: Any) -> tuple[Any, np.dtype]:
     return v.array, v.kv_dtype
 
 
-def encode_raw_device(x: Any) -> bytes:
+def _encode_raw_device(x: Any) -> bytes:
     arr, kv_dtype = _contiguous_in(x)
     check_block_shape(tuple(arr.shape))
     header = PayloadHeader(1, dtype_code(kv_dtype), tuple(int(n) for n in arr.shape))
     return header.pack() + arr.get().tobytes()
 
 
-def decode_raw_device(header: PayloadHeader, data: bytes | memoryview, out: Any) -> Any:
+def _decode_raw_device(header: PayloadHeader, data: bytes | memoryview, out: Any) -> Any:
     import cupy
 
     arr, kv_dtype = _device_out(out)
@@ -70,7 +88,7 @@ def decode_raw_device(header: PayloadHeader, data: bytes | memoryview, out: Any)
     return out
 
 
-def encode_quant_device(codec: Any, x: Any) -> bytes:
+def _encode_quant_device(codec: Any, x: Any) -> bytes:
     """One fused kernel: per (row, group, channel) absmax then quantize; one D2H copy of the result."""
     import cupy
 
@@ -93,7 +111,7 @@ def encode_quant_device(codec: Any, x: Any) -> bytes:
     return bytes(host)
 
 
-def decode_quant_device(codec: Any, lay: QuantLayout, data: bytes | memoryview, out: Any) -> Any:
+def _decode_quant_device(codec: Any, lay: QuantLayout, data: bytes | memoryview, out: Any) -> Any:
     import cupy
 
     arr, kv_dtype = _device_out(out)
@@ -105,3 +123,23 @@ def decode_quant_device(codec: Any, lay: QuantLayout, data: bytes | memoryview, 
             (body[lay.scale_bytes:], body[: lay.scale_bytes], arr, np.int64(lay.b), np.int32(lay.t),
              np.int32(lay.d), np.int32(lay.header.group_tokens)))
     return out
+
+
+def encode_raw_device(x: Any) -> bytes:
+    with torch_stream_of(x):
+        return _encode_raw_device(x)
+
+
+def decode_raw_device(header: PayloadHeader, data: bytes | memoryview, out: Any) -> Any:
+    with torch_stream_of(out):
+        return _decode_raw_device(header, data, out)
+
+
+def encode_quant_device(codec: Any, x: Any) -> bytes:
+    with torch_stream_of(x):
+        return _encode_quant_device(codec, x)
+
+
+def decode_quant_device(codec: Any, lay: QuantLayout, data: bytes | memoryview, out: Any) -> Any:
+    with torch_stream_of(out):
+        return _decode_quant_device(codec, lay, data, out)

@@ -8,7 +8,11 @@
    paged gather/scatter == the torch CPU reference, byte for byte;
 3. speed: each kernel timed with CUDA events against a device-to-device copy of the
    same input bytes in the same run (ratio = kernel input GB/s / copy GB/s; goal >= 0.7);
-4. ``--pytest``: also runs the gpu-marked test files.
+4. a pipelined load into HBM (perf/gpu_load.py): a real kvtierd, the Llama-3-8B layout in
+   layer groups, ``KVCache(device="cuda").start_load`` timed to layer 0 and to the whole
+   prefix, against a pinned host-to-device copy of the same bytes in the same run;
+   ``--skip-load`` leaves it out;
+5. ``--pytest``: also runs the gpu-marked test files.
 
 Prints a table; writes gpu_check.json to $OUT when set (the device tool), else perf/out/.
 Works without an installed kvtier: it maps the repository's kernels/ folder to
@@ -29,22 +33,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bootstrap_kvtier() -> None:
-    """Make ``kvtier.kernels`` importable from kernels/ when kvtier is not installed."""
+PACKAGES = ("common", "wire", "client", "daemon", "kernels", "tools")
+
+
+def bootstrap_kvtier() -> Path | None:
+    """Make ``kvtier.*`` importable from the repository's folders when kvtier is not
+    installed: a temp dir holding ``kvtier/<name>`` links (a namespace package), put
+    first on sys.path and returned for subprocesses' PYTHONPATH."""
     try:
         import kvtier.kernels  # noqa: F401
-        return
+        import kvtier.common  # noqa: F401
+        return None
     except ImportError:
         pass
-    pkg = types.ModuleType("kvtier")
-    pkg.__path__ = []
-    sys.modules["kvtier"] = pkg
-    spec = importlib.util.spec_from_file_location("kvtier.kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvtier.kernels"] = mod
-    spec.loader.exec_module(mod)
-    pkg.kernels = mod
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="kvtier-src-"))
+    (top / "kvtier").mkdir()
+    for name in PACKAGES:
+        (top / "kvtier" / name).symlink_to(ROOT / name)
+    sys.path.insert(0, str(top))
+    for name in [m for m in sys.modules if m == "kvtier" or m.startswith("kvtier.")]:
+        del sys.modules[name]
+    return top
 
 
 def section(report: dict, name: str):
@@ -74,8 +85,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes, smaller timing block")
     ap.add_argument("--pytest", action="store_true", help="also run the gpu-marked test files")
+    ap.add_argument("--skip-load", action="store_true", help="leave out the pipelined load into HBM")
     args = ap.parse_args()
-    bootstrap_kvtier()
+    src_path = bootstrap_kvtier()
     import cupy
     import numpy as np
     import torch
@@ -233,6 +245,14 @@ def main() -> int:
             vs = "" if r["vs_copy"] is None else f"{r['vs_copy']:7.3f}"
             print(f"{r['kernel']:34s} {r['ms']:8.3f} {r['input_GBps']:9.1f} {vs}")
         return {"shape": shape, "iters": iters, "rows": rows}
+
+    if not args.skip_load:
+        @section(report, "pipelined_load_hbm")
+        def _load():
+            sys.path.insert(0, str(ROOT / "perf"))
+            from gpu_load import pipelined_load
+
+            return pipelined_load(quick=args.quick, pythonpath=src_path)
 
     if args.pytest:
         @section(report, "pytest")

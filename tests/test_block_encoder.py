@@ -121,3 +121,19 @@ def test_gather_into_a_tensor_slot():
     slot = torch.empty(layout.block_shape, dtype=torch.float16)
     gather_block(kv, layout, 1, slot)
     assert torch.equal(slot, blocks_from_kv(kv, layout, 1, 1)[0])
+
+
+@pytest.mark.gpu
+def test_pinned_send_buffers_gather_from_device_memory():
+    from cuda_reason import cuda_skip_reason
+
+    if cuda_skip_reason() is not None:
+        pytest.skip(str(cuda_skip_reason()))
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=64)
+    ns = Namespace("m", layout)
+    kv = _kv(layout, 128)
+    encoder = BlockEncoder(layout, ns.id, get_codec("raw"), pinned=True)
+    keys = ns.keys(list(range(128)))
+    with encoder.encode([(k.cuda(), v.cuda()) for k, v in kv], 0, keys) as on_device:
+        with BlockEncoder(layout, ns.id, get_codec("raw")).encode(kv, 0, keys) as on_host:
+            assert [bytes(b) for b in on_device] == [bytes(b) for b in on_host]

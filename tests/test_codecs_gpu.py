@@ -64,3 +64,23 @@ def test_gpu_rejects_nan_and_bad_out():
         get_codec("int8").decode(data, torch.empty(4, 8, dtype=torch.bfloat16, device="cuda"))
     with pytest.raises(ValueError, match="C-contiguous"):
         get_codec("int8").decode(data, torch.empty(8, 4, dtype=torch.float16, device="cuda").t())
+
+
+def test_kernels_run_on_torchs_current_stream():
+    import cupy
+
+    from kvtier.kernels.quant_cupy import torch_stream_of
+
+    side = torch.cuda.Stream()
+    x = torch.from_numpy(_host((2, 64, 128), np.float32, 3)).to(torch.float16).cuda()
+    with torch.cuda.stream(side):
+        with torch_stream_of(x):
+            assert cupy.cuda.get_current_stream().ptr == side.cuda_stream
+        codec = get_codec("int8", group_tokens=16)
+        data = codec.encode(x)
+        out = torch.empty_like(x)
+        codec.decode(data, out)
+    side.synchronize()
+    ref = torch.empty_like(x.cpu())
+    codec.decode(data, ref)
+    assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
