@@ -17,9 +17,11 @@ our LOOKUP and our read. The header's key and sequence and the payload CRC
 make that detectable: a block that does not validate is returned as
 ``None`` and the caller falls back to TCP. Wrong KV is never returned.
 
-Backends, chosen by capability detection: ``posix`` (O_DIRECT ``preadv``,
-always available on Linux) and ``kvikio`` (cuFile; needs ``libcuda.so.1``
-even in compat mode, so it is only offered where the driver loads).
+Backends: ``posix`` (O_DIRECT ``preadv``, always available on Linux, and what
+``auto`` picks) and ``kvikio`` (cuFile, on request; needs ``libcuda.so.1`` even
+in compat mode). Both read into host buffers, where the CRC is checked: kvikio
+gains nothing there, so ``auto`` does not choose it; reads straight into HBM
+belong to NIXL's GDS backend.
 """
 from __future__ import annotations
 
@@ -78,14 +80,14 @@ def kvikio_available() -> bool:
 
 
 def choose_backend(requested: str = "auto") -> str:
-    """``auto`` picks kvikio where it can work, else posix; an explicit
+    """``auto`` picks posix (see the module doc); an explicit
     request that cannot be met is a ValueError naming what is missing."""
     if requested not in ("auto", "posix", "kvikio"):
         raise ValueError(f"direct read backend must be auto, posix or kvikio, got {requested!r}")
     if requested == "kvikio" and not kvikio_available():
         raise ValueError("kvikio backend requested but unavailable: needs libcuda.so.1 and the kvikio package")
     if requested == "auto":
-        return "kvikio" if kvikio_available() else "posix"
+        return "posix"
     return requested
 
 
@@ -127,6 +129,7 @@ class DirectReader:
         self._pool = ThreadPoolExecutor(max_workers=len(self._fds), thread_name_prefix="kvtier-direct")
         self._lock = threading.Lock()
         self._blocks = self._bytes = self._failures = self._io_errors = 0
+        self._cufiles: dict = {}  # kvikio handles, one per device path, opened on first use
 
     def _open(self, path: str) -> int:
         try:
@@ -232,11 +235,14 @@ class DirectReader:
         import kvikio
         import numpy as np
 
-        with kvikio.CuFile(path, "r") as f:
-            futures = [f.pread(np.frombuffer(view, dtype=np.uint8), view.nbytes, dev_off) for dev_off, view in pieces]
-            for fut, (_, view) in zip(futures, pieces):
-                if fut.get() != view.nbytes:
-                    raise OSError(5, "short kvikio read")
+        with self._lock:
+            handle = self._cufiles.get(path)
+            if handle is None:
+                handle = self._cufiles[path] = kvikio.CuFile(path, "r")
+        futures = [handle.pread(np.frombuffer(view, dtype=np.uint8), view.nbytes, dev_off) for dev_off, view in pieces]
+        for fut, (_, view) in zip(futures, pieces):
+            if fut.get() != view.nbytes:
+                raise OSError(5, "short kvikio read")
 
     # --- lifecycle -------------------------------------------------------
     def statistics(self) -> DirectReaderStatistics:
@@ -252,6 +258,9 @@ class DirectReader:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        for handle in getattr(self, "_cufiles", {}).values():
+            handle.close()
+        self._cufiles = {}
 
     def __enter__(self) -> "DirectReader":
         return self
