@@ -74,12 +74,24 @@ def _cuda_host_register(buf: memoryview, register: bool) -> None:
 
 
 class EncodedBlocks:
-    """Built blocks and the send buffers they live in, until :meth:`release`."""
+    """Built blocks and the send buffers they live in, until :meth:`release`.
 
-    def __init__(self, pool: SendBuffers) -> None:
+    Built with ``sealed=False``, the payloads are in place but the headers (and so the
+    payload CRCs) are not written until :meth:`seal`: a write-behind save copies the KV
+    out on the engine's step and checksums it on the background worker."""
+
+    def __init__(self, pool: SendBuffers, ns_id: bytes, codec_id: int) -> None:
         self.blocks: list[memoryview] = []
         self.buffers: list[memoryview] = []
         self._pool = pool
+        self._ns_id, self._codec_id = ns_id, codec_id
+        self._unsealed: list[bytes] = []  # the keys of blocks whose header is still to write
+
+    def seal(self) -> None:
+        """Write every block's header (its payload CRC computed where the payload lies)."""
+        for key, block in zip(self._unsealed, self.blocks):
+            block[:HEADER_SIZE] = encode_header(key, self._ns_id, self._codec_id, block[HEADER_SIZE:])
+        self._unsealed = []
 
     @property
     def nbytes(self) -> int:
@@ -126,25 +138,28 @@ class BlockEncoder:
         return len(self.codec.encode(probe)) + self._nbytes // 255 + LZ4_GROWTH_BYTES
 
     def encode(self, kv: Sequence, first_block: int, keys: Sequence[bytes],
-               seq_tokens: int | None = None) -> "EncodedBlocks":
+               seq_tokens: int | None = None, sealed: bool = True) -> "EncodedBlocks":
         """Blocks ``first_block ..`` (one per key) of ``kv``, each a view of a send buffer
-        (header + payload); :meth:`EncodedBlocks.release` (or a ``with``) reuses the buffers."""
-        return self._build(keys, lambda i, payload: self._gather_into(kv, first_block + i, payload, seq_tokens))
+        (header + payload); :meth:`EncodedBlocks.release` (or a ``with``) reuses the buffers.
+        ``sealed=False`` leaves the headers to :meth:`EncodedBlocks.seal`."""
+        return self._build(keys, lambda i, payload: self._gather_into(kv, first_block + i, payload, seq_tokens),
+                           sealed)
 
-    def encode_tensors(self, blocks: Sequence, keys: Sequence[bytes]) -> "EncodedBlocks":
+    def encode_tensors(self, blocks: Sequence, keys: Sequence[bytes], sealed: bool = True) -> "EncodedBlocks":
         """:meth:`encode` of tensors (or arrays) of this encoder's shape, e.g. gathered from a paged cache."""
-        return self._build(keys, lambda i, payload: self._tensor_into(blocks[i], payload))
+        return self._build(keys, lambda i, payload: self._tensor_into(blocks[i], payload), sealed)
 
-    def _build(self, keys: Sequence[bytes], fill) -> "EncodedBlocks":
-        built = EncodedBlocks(self.buffers)
+    def _build(self, keys: Sequence[bytes], fill, sealed: bool) -> "EncodedBlocks":
+        built = EncodedBlocks(self.buffers, self.ns_id, self.codec.codec_id)
         try:
             for i, key in enumerate(keys):
                 buf = self.buffers.take()
                 built.buffers.append(buf)
-                payload = buf[HEADER_SIZE:]
-                size = fill(i, payload)
-                buf[:HEADER_SIZE] = encode_header(key, self.ns_id, self.codec.codec_id, payload[:size])
+                size = fill(i, buf[HEADER_SIZE:])
                 built.blocks.append(buf[:HEADER_SIZE + size])
+                built._unsealed.append(bytes(key))
+            if sealed:
+                built.seal()
         except BaseException:
             built.release()
             raise

@@ -379,29 +379,29 @@ class KVCache:
         save is dropped and counted in ``statistics().saves``)."""
         keys, kv_tokens = self._store_keys(tokens, kv)
         self._keep_hot(keys, lambda slot, i: gather_block(kv, self.layout, i, slot))
-        built = self._encode(kv, 0, keys, kv_tokens)
+        built = self._encode(kv, 0, keys, kv_tokens, sealed=False)
         return self._saves.submit(sum(group.nbytes for group in built), len(keys),
                                   lambda: self._send_new(keys, built, durable), on_drop=lambda: _release(built))
 
-    def _encode(self, kv, first_block: int, keys: list[bytes], kv_tokens: int) -> list:
+    def _encode(self, kv, first_block: int, keys: list[bytes], kv_tokens: int, sealed: bool = True) -> list:
         """Each layer group's objects of blocks ``first_block ..`` of ``kv``, in send buffers."""
         built: list = []
         try:
             for group, encoder in enumerate(self._encoders):
                 built.append(encoder.encode(kv, first_block, self._warm.objects_of(keys, [group]),
-                                            seq_tokens=kv_tokens))
+                                            seq_tokens=kv_tokens, sealed=sealed))
         except BaseException:
             _release(built)
             raise
         return built
 
-    def _encode_tensors(self, keys: list[bytes], blocks: Sequence) -> list:
+    def _encode_tensors(self, keys: list[bytes], blocks: Sequence, sealed: bool = True) -> list:
         built: list = []
         try:
             for group, encoder in enumerate(self._encoders):
                 layers = self.layout.group_layers(group)
                 built.append(encoder.encode_tensors([b[layers.start:layers.stop] for b in blocks],
-                                                    self._warm.objects_of(keys, [group])))
+                                                    self._warm.objects_of(keys, [group]), sealed=sealed))
         except BaseException:
             _release(built)
             raise
@@ -432,10 +432,12 @@ class KVCache:
         keys = list(keys)
         self._check_blocks(keys, blocks)
         self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
-        built = self._encode_tensors(keys, blocks)
+        built = self._encode_tensors(keys, blocks, sealed=False)
 
         def save() -> int:
             try:
+                for group in built:
+                    group.seal()
                 return self._send(keys, [group.blocks for group in built], durable)
             finally:
                 _release(built)
@@ -457,6 +459,8 @@ class KVCache:
             known = self._warm.lookup(keys)
             if known == len(keys):
                 return 0
+            for group in built:
+                group.seal()
             return self._send(keys[known:], [group.blocks[known:] for group in built], durable)
         finally:
             _release(built)

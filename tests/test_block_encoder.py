@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from kvtier.client.block_encoder import BlockEncoder, SendBuffers  # noqa: E402
 from kvtier.client.block_payload import blocks_from_kv  # noqa: E402
-from kvtier.common.blockformat import HEADER_SIZE, encode_block, verify_block  # noqa: E402
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, encode_block, verify_block  # noqa: E402
 from kvtier.common.keys import KVLayout, Namespace  # noqa: E402
 from kvtier.kernels import get_codec  # noqa: E402
 
@@ -137,3 +137,20 @@ def test_pinned_send_buffers_gather_from_device_memory():
     with encoder.encode([(k.cuda(), v.cuda()) for k, v in kv], 0, keys) as on_device:
         with BlockEncoder(layout, ns.id, get_codec("raw")).encode(kv, 0, keys) as on_host:
             assert [bytes(b) for b in on_device] == [bytes(b) for b in on_host]
+
+
+def test_unsealed_blocks_get_their_headers_at_seal():
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16)
+    ns = Namespace("m", layout)
+    codec = get_codec("raw")
+    kv = _kv(layout, 32)
+    keys = ns.keys(list(range(32)))
+    encoder = BlockEncoder(layout, ns.id, codec)
+    with encoder.encode(kv, 0, keys) as sealed_now:
+        expected = [bytes(b) for b in sealed_now]
+    later = BlockEncoder(layout, ns.id, codec).encode(kv, 0, keys, sealed=False)  # fresh, zeroed buffers
+    with pytest.raises(BlockFormatError, match="magic"):
+        verify_block(later.blocks[0], expected_key=keys[0])  # no header yet
+    later.seal()
+    with later as blocks:
+        assert [bytes(b) for b in blocks] == expected
