@@ -461,3 +461,23 @@ def test_a_streaming_load_hands_each_group_over_and_reports_a_shrunk_prefix(daem
 def test_layer_groups_reject_the_mixed_codec(daemon):
     with pytest.raises(ValueError, match="layer_groups=1"):
         KVCache(ns("groups-mixed", codec="mixed", layout=GROUPED), daemon.data_addr)
+
+
+def test_a_raw_load_makes_no_block_sized_copies(daemon):
+    """From the reply buffers straight into the output tensors: after a warm-up, a load of
+    8 blocks of 1 MiB allocates (Python and NumPy heaps) far less than one block."""
+    import tracemalloc
+
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16", block_tokens=256)
+    tokens = list(range(20_000, 20_000 + 8 * 256))
+    with KVCache(ns("no-copies", layout=layout), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+        cache.store(tokens, make_kv(len(tokens), layout=layout))
+        cache.load(tokens)  # warms the connections' reply buffers
+        tracemalloc.start()
+        try:
+            loaded = cache.load(tokens)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert loaded.num_tokens == len(tokens)
+    assert peak < layout.block_raw_bytes // 8, f"{peak} bytes allocated while loading"
