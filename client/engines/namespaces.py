@@ -4,9 +4,21 @@ Everything that makes two blocks interchangeable enters the namespace, so a
 block can only ever be found by a request whose KV it really is:
 
     base      model, KV layout, codec, operator tenant      (from the config)
-    + shard   extra tp="rank/size" (and pp="rank/size")      each rank stores its own heads
     + request tenant_salt <- the request's cache_salt        (per-user isolation)
               extra lora  <- the LoRA adapter's name         (adapters change K and V)
+    + shard   extra tp="rank/size" (and pp="rank/size")      each rank stores its own heads
+
+Two namespaces are derived per request, for two jobs::
+
+    tenant namespace  base + request              its id is what the daemon sees: the block
+                      (request_namespace(base))   header's and the PUT/GET/LOOKUP frames' ns id,
+                                                  so per-tenant statistics, eviction and
+                                                  delete_namespace separate tenants and adapters
+    key namespace     tenant + shard              the key chain starts from its id, so the TP
+                      (key_namespace(tenant))     shards (whose KV differs) never share a key
+
+Every shard of one tenant stores under the same namespace id: deleting a
+tenant's namespace deletes all its shards' blocks.
 
 SGLang names its pages with string hashes (already chained over the prefix);
 :func:`page_key` maps one to a 16-byte key with BLAKE2b-128 keyed by the
@@ -47,6 +59,12 @@ def request_namespace(shard: Namespace, cache_salt: str | None, lora_name: str |
     if lora_name:
         ns = ns.with_extra(lora=str(lora_name))
     return ns
+
+
+def key_namespace(tenant: Namespace, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> Namespace:
+    """The namespace whose id seeds a shard's keys (see the module doc); the
+    same as :func:`shard_namespace` of the tenant namespace."""
+    return shard_namespace(tenant, tp_rank, tp_size, pp_rank, pp_size)
 
 
 def page_key(ns_id: bytes, page: str) -> bytes:

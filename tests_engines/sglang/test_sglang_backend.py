@@ -44,7 +44,8 @@ def test_dynamic_factory_builds_the_backend(kvtierd):
         layout = backend.namespace.layout
         assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_tokens) == (
             NUM_LAYERS, NUM_HEADS, HEAD_DIM, "float16", PAGE_SIZE)
-        assert dict(backend.namespace.extra) == {"tp": "1/2"}
+        assert dict(backend.namespace.extra) == {}  # the tenant's namespace: what the daemon sees
+        assert dict(backend.key_namespace.extra) == {"tp": "1/2"}  # the keys: this rank's shard
         assert backend.namespace.model == "tiny-llama-test"
     finally:
         backend.close()
@@ -62,6 +63,7 @@ def test_v1_round_trip_through_host_pools(kvtierd, src_layout, dst_layout):
         fill_pages(src_pool, src_idx, seed=1)
         assert src.batch_exists(keys) == 0
         assert src.batch_set_v1(keys, src_idx) == [True] * 3
+        assert src.wait_saves_stored(timeout_s=60)
         assert dst.batch_exists(keys) == 3
         dst_pool.alloc(2 * PAGE_SIZE)  # land on different slots than the source used
         dst_idx = dst_pool.alloc(3 * PAGE_SIZE)
@@ -87,6 +89,7 @@ def test_generic_round_trip_with_flat_pages(kvtierd, layout):
         fill_pages(src_pool, src_idx, seed=2)
         starts = src_idx[::PAGE_SIZE].tolist()
         assert src.batch_set(keys, [src_pool.get_data_page(s) for s in starts])
+        assert src.wait_saves_stored(timeout_s=60)
         assert src.exists(keys[0]) and src.exists(keys[1])
         got = dst.batch_get(keys, [dst_pool.get_dummy_flat_data_page() for _ in keys])
         assert all(g is not None for g in got)
@@ -116,6 +119,7 @@ def test_batch_exists_counts_the_leading_pages(kvtierd):
         stored = [0, 1, 3]
         page_idx = idx.view(5, PAGE_SIZE)[stored].flatten()
         assert backend.batch_set_v1([keys[i] for i in stored], page_idx) == [True] * 3
+        assert backend.wait_saves_stored(timeout_s=60)
         assert backend.batch_exists(keys) == 2
         assert backend.batch_exists(keys[:2]) == 2
         assert backend.batch_exists(keys[1:]) == 1
@@ -138,6 +142,7 @@ def test_a_corrupt_page_reads_as_a_miss_and_is_not_written(kvtierd):
         src_idx = src_pool.alloc(3 * PAGE_SIZE)
         fill_pages(src_pool, src_idx, seed=4)
         assert src.batch_set_v1(keys, src_idx) == [True] * 3
+        assert src.wait_saves_stored(timeout_s=60)
         # a well-formed frame (CRCs right) with a payload of the wrong size under page 1's key
         key1 = src.keys_of(keys)[1]
         with BlockClient(kvtierd.data_addr) as client:
@@ -181,7 +186,13 @@ def test_unreachable_daemon_is_a_miss_not_a_crash(tmp_path):
         idx = pool.alloc(2 * PAGE_SIZE)
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get_v1(keys, idx) == [False, False]
-        assert backend.batch_set_v1(keys, idx) == [False, False]
+        # write-behind: the save is queued at once; its PUT fails in the background and is counted
+        assert backend.batch_set_v1(keys, idx) == [True, True]
+        assert backend.wait_saves_stored(timeout_s=60)
+        saves = backend.statistics()
+        assert (saves.saves_failed, saves.saves_done) == (1, 0)
+        assert backend.batch_set_v1(keys, idx) == [True, True]  # a failed save is sent again next time
+        assert backend.counters["saved_pages"] == 4
     finally:
         backend.close()
 
@@ -197,7 +208,68 @@ def test_backup_skips_the_pages_already_stored(kvtierd):
         assert backend.counters["saved_pages"] == 3
         assert backend.batch_set_v1(keys, idx) == [True] * 5  # SGLang backs up the whole prefix again
         assert backend.counters["saved_pages"] == 5  # only the 2 new pages went out
+        assert backend.wait_saves_stored(timeout_s=60)
         assert backend.batch_exists(keys) == 5
         assert backend.get_stats().backup_pgs == [3, 5]
     finally:
         backend.close()
+
+
+def test_full_save_queue_drops_and_close_drains(kvtierd):
+    """With the daemon frozen, a backup queues (or drops when the queue is full) and the
+    call returns at once; close() waits for the queued save."""
+    import signal
+    import time
+
+    kept, dropped = page_keys(fresh_tokens(2)), page_keys(fresh_tokens(2))
+    pool = make_host_pool("page_first")
+    backend = attach_backend(make_storage_config(kvtierd.data_addr, save_queue_bytes=1), pool)
+    idx = pool.alloc(4 * PAGE_SIZE)
+    fill_pages(pool, idx, seed=6)
+    kvtierd.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert backend.batch_set_v1(kept, idx[:2 * PAGE_SIZE]) == [True, True]
+        assert backend.batch_set_v1(dropped, idx[2 * PAGE_SIZE:]) == [False, False]  # the queue is full
+        assert time.monotonic() - started < 5.0  # a wait for the daemon would take the 30 s timeout
+        saves = backend.statistics()
+        assert (saves.saves_dropped, saves.blocks_dropped, saves.saves_done) == (1, 2, 0)
+        assert backend.counters["dropped_pages"] == 2
+    finally:
+        kvtierd.signal(signal.SIGCONT)
+    backend.close()  # drains the queued save
+    assert backend.cache is None
+    probe = attach_backend(make_storage_config(kvtierd.data_addr), make_host_pool())
+    try:
+        assert probe.batch_exists(kept) == 2
+        assert probe.batch_exists(dropped) == 0  # a later miss
+    finally:
+        probe.close()
+
+
+def test_ranks_share_the_tenants_namespace_id_and_tenants_differ(kvtierd):
+    """Every TP rank's pages carry the deployment tenant's namespace id (one
+    delete_namespace removes them all); another tenant's id differs, and so do the keys."""
+    from kvtier.common.blockformat import decode_header
+
+    keys = page_keys(fresh_tokens(1))
+    backends = [attach_backend(make_storage_config(kvtierd.data_addr, tp_rank=r, tp_size=2, tenant="acme"),
+                               make_host_pool()) for r in range(2)]
+    other = attach_backend(make_storage_config(kvtierd.data_addr, tenant="globex"), make_host_pool())
+    try:
+        ns_ids = set()
+        with BlockClient(kvtierd.data_addr) as client:
+            for b in backends + [other]:
+                idx = b.mem_pool_host.alloc(PAGE_SIZE)
+                fill_pages(b.mem_pool_host, idx, seed=7)
+                assert b.batch_set_v1(keys, idx) == [True]
+                assert b.wait_saves_stored(timeout_s=60)
+                (kv_key,) = b.keys_of(keys)
+                ns_ids.add((decode_header(client.get(kv_key)).ns_id, b.namespace.id))
+        assert len({b.keys_of(keys)[0] for b in backends + [other]}) == 3  # shards and tenants: own keys
+        acme, globex = backends[0].namespace.id, other.namespace.id
+        assert backends[1].namespace.id == acme != globex
+        assert ns_ids == {(acme, acme), (globex, globex)}
+    finally:
+        for b in backends + [other]:
+            b.close()

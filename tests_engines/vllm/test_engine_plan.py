@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.client.engines.namespaces import page_key, request_namespace, shard_namespace
-from kvtier.client.engines.vllm.scheduler_plan import RequestState, load_op, save_op
+from kvtier.client.engines.namespaces import key_namespace, page_key, request_namespace, shard_namespace
+from kvtier.client.engines.vllm.scheduler_plan import RequestState, block_op, load_range, save_range
 from kvtier.common.keys import KVLayout, Namespace
 
 B = 4
@@ -44,22 +44,73 @@ def test_matched_tokens_leave_the_last_token_to_compute():
     assert RequestState("r", None, None, 12, hit_blocks=1).matched_tokens(12, 4, B) == 0
 
 
-def test_load_and_save_ops():
+def test_load_and_save_ranges():
     st = RequestState("r", "salt", None, prompt_len=14, hit_blocks=3)
-    tokens = list(range(14))
-    op = load_op(st, tokens, [10, 11, 12, 13], local_tokens=4, external_tokens=7, block_tokens=B)
-    assert (op.first_block, op.block_ids, op.tokens, op.cache_salt) == (1, (11, 12), tuple(range(12)), "salt")
-    assert load_op(st, tokens, [10], 0, 0, B) is None
+    assert load_range(st, 4, local_tokens=4, external_tokens=7, block_tokens=B) == (1, 3)
+    assert load_range(st, 1, 0, 0, B) is None
     with pytest.raises(ValueError):
-        load_op(st, tokens, [10, 11, 12, 13], local_tokens=2, external_tokens=4, block_tokens=B)
+        load_range(st, 4, local_tokens=2, external_tokens=4, block_tokens=B)
+    with pytest.raises(ValueError):
+        load_range(st, 2, local_tokens=4, external_tokens=7, block_tokens=B)
     # saves start past the hit; prompt policy stops at the prompt
-    assert save_op(st, tokens, [10, 11, 12, 13], 14, 14, B, "prompt") is None
+    assert save_range(st, 14, 14, B, "prompt") is None
     st.hit_blocks = 1
-    op = save_op(st, tokens + [99] * 6, [10, 11, 12, 13, 14], 20, 20, B, "prompt")
-    assert (op.first_block, op.block_ids) == (1, (11, 12))
-    assert save_op(st, tokens + [99] * 6, [10, 11, 12, 13, 14], 20, 20, B, "prompt") is None
-    op = save_op(st, tokens + [99] * 6, [10, 11, 12, 13, 14], 20, 20, B, "all")
-    assert (op.first_block, op.block_ids) == (3, (13, 14))
-    assert save_op(RequestState("q", None, None, 8), tokens, [1, 2], 8, 8, B, "none") is None
+    assert save_range(st, 20, 20, B, "prompt") == (1, 3)
+    assert save_range(st, 20, 20, B, "prompt") is None
+    assert save_range(st, 20, 20, B, "all") == (3, 5)
+    assert save_range(RequestState("q", None, None, 8), 8, 8, B, "none") is None
     with pytest.raises(ValueError):
-        save_op(st, tokens, [1], 4, 4, B, "sometimes")
+        save_range(st, 4, 4, B, "sometimes")
+
+
+def test_block_ops_carry_only_this_steps_keys():
+    shard = key_namespace(request_namespace(BASE, "salt", None), 0, 1)
+    st = RequestState("r", "salt", None, prompt_len=14, chains=(shard.key_chain(),))
+    tokens = list(range(14))
+    st.extend_keys(tokens)
+    op = block_op(st, 1, [11, 12], st.keys_of(1, 3))
+    assert (op.first_block, op.block_ids, op.cache_salt, op.tenant) == (1, (11, 12), "salt", ("salt", None))
+    assert op.keys == (tuple(shard.keys(tokens)[1:3]),)
+    with pytest.raises(ValueError):
+        block_op(st, 1, [11], st.keys_of(1, 3))
+
+
+def test_tenant_namespace_ids_leave_the_shard_to_the_key():
+    """The daemon sees one namespace id per tenant (all shards); keys still differ per shard."""
+    tenant = request_namespace(BASE, "alice", "lora-x")
+    assert dict(tenant.extra) == {"lora": "lora-x"}
+    k0, k1 = key_namespace(tenant, 0, 2), key_namespace(tenant, 1, 2)
+    assert k0.id != k1.id != tenant.id
+    assert k0.keys(list(range(8))) != k1.keys(list(range(8)))
+    assert request_namespace(BASE, "bob", "lora-x").id != tenant.id
+    assert k0 == shard_namespace(tenant, 0, 2) == request_namespace(shard_namespace(BASE, 0, 2), "alice", "lora-x")
+
+
+def test_tenant_caches_open_once_and_close_the_least_recently_used():
+    from kvtier.client.engines.vllm.tenant_caches import TenantCaches
+    from kvtier.client.save_queue import SaveQueueStatistics
+
+    class FakeCache:
+        def __init__(self, ns):
+            self.namespace, self.closed = ns, False
+
+        def close(self):
+            self.closed = True
+
+        def statistics(self):
+            class S:
+                saves = SaveQueueStatistics(0, 0, 1, 0, 2, 5)
+            return S()
+
+    opened = []
+    caches = TenantCaches(BASE, lambda ns: opened.append(FakeCache(ns)) or opened[-1], limit=2)
+    a = caches.get("alice", None)
+    assert caches.get("alice", None) is a and a.namespace == request_namespace(BASE, "alice", None)
+    b = caches.get(None, "lora-x")
+    caches.get("alice", None)  # alice is now the most recently used
+    caches.get("carol", None)  # closes the lora's cache
+    assert len(caches) == 2 and caches.get("alice", None) is a and not a.closed
+    assert caches.get(None, "lora-x") is not b  # reopened: it had been closed
+    caches.close()
+    assert [c.closed for c in opened] == [True] * 4 and b is opened[1]
+    assert caches.saves() == SaveQueueStatistics(0, 0, 4, 0, 8, 20)

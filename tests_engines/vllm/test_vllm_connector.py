@@ -22,7 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
 
 from kvtier.common.blockformat import encode_block
-from kvtier.client.engines.namespaces import request_namespace
 from kvtier.client.engines.vllm import KVTierConnector
 from kvtier.client.kvcache import KVCache
 from kvtier.client import BlockClient
@@ -41,11 +40,12 @@ def config(model_dir, kvtierd, **extra):
 
 
 def store_random_blocks(connector: KVTierConnector, tokens, n_blocks: int, cache_salt=None, rank: int = 0) -> None:
-    """Put ``n_blocks`` leading blocks of ``tokens`` for one TP shard (random KV)."""
-    ns = request_namespace(connector.shards[rank], cache_salt, None)
-    keys = ns.keys(tokens)[:n_blocks]
-    blocks = [torch.randn(ns.layout.block_shape).to(torch.float16) for _ in keys]
-    with KVCache(connector.shards[rank], connector.settings.addresses[0], hot_pool_bytes=0) as cache:
+    """Put ``n_blocks`` leading blocks of ``tokens`` for one TP shard (random KV), as the
+    connector does: keys from the shard's key namespace, under the tenant's namespace id."""
+    keys = connector.key_namespace(cache_salt, None, rank).keys(tokens)[:n_blocks]
+    tenant = connector.caches_namespace(cache_salt, None)
+    blocks = [torch.randn(tenant.layout.block_shape).to(torch.float16) for _ in keys]
+    with KVCache(tenant, connector.settings.addresses[0], hot_pool_bytes=0) as cache:
         assert cache.store_blocks(keys, blocks) == n_blocks
 
 
@@ -60,7 +60,8 @@ def test_factory_builds_both_roles_from_module_path(model_dir, kvtierd):
             layout = conn.base_namespace.layout
             assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_tokens) == (
                 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float16", BLOCK_TOKENS)
-            assert dict(conn.shards[0].extra) == {"engine_page": "vllm-cpu", "tp": "0/1"}
+            assert dict(conn.key_namespace(None, None, 0).extra) == {"engine_page": "vllm-cpu", "tp": "0/1"}
+            assert dict(conn.caches_namespace(None, None).extra) == {"engine_page": "vllm-cpu"}
         finally:
             conn.shutdown()
 
@@ -107,10 +108,10 @@ def test_local_hit_is_not_looked_up_again(model_dir, kvtierd):
     sched = make_scheduler(cfg, make_kv_cache_config(cfg))
     conn = sched.connector
     toks = fresh_prompt(4 * BLOCK_TOKENS + 5)
-    ns = request_namespace(conn.shards[0], None, None)
-    keys = ns.keys(toks)
-    blocks = [torch.randn(ns.layout.block_shape).to(torch.float16) for _ in keys]
-    with KVCache(conn.shards[0], kvtierd.data_addr, hot_pool_bytes=0) as cache:
+    keys = conn.key_namespace(None, None, 0).keys(toks)
+    tenant = conn.caches_namespace(None, None)
+    blocks = [torch.randn(tenant.layout.block_shape).to(torch.float16) for _ in keys]
+    with KVCache(tenant, kvtierd.data_addr, hot_pool_bytes=0) as cache:
         cache.store_blocks(keys[2:4], blocks[2:4])  # blocks 0, 1 only in vLLM's own cache
     assert conn.get_num_new_matched_tokens(make_request("x", toks), 2 * BLOCK_TOKENS) == (64, False)
     assert conn.get_num_new_matched_tokens(make_request("y", toks), 0) == (0, False)
@@ -127,7 +128,7 @@ def test_tensor_parallel_ranks_agree_on_the_minimum(model_dir, kvtierd):
         pytest.skip(f"vLLM refuses a TP=2 config on this machine: {exc}")
     kv_cfg = make_kv_cache_config(cfg)
     conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cfg)
-    assert [dict(ns.extra)["tp"] for ns in conn.shards] == ["0/2", "1/2"]
+    assert [dict(conn.key_namespace(None, None, r).extra)["tp"] for r in range(2)] == ["0/2", "1/2"]
     toks = fresh_prompt(4 * BLOCK_TOKENS)
     store_random_blocks(conn, toks, 3, rank=0)
     store_random_blocks(conn, toks, 2, rank=1)
@@ -145,7 +146,8 @@ def test_worker_save_then_load_is_byte_exact(model_dir, kvtierd):
         assert out.num_scheduled_tokens == {"a1": len(prompt)} and not errors
         assert [op.num_blocks for op in out.kv_connector_metadata.saves] == [3]
         a_ids = a.block_ids("a1")
-        assert a.worker.counters["saved_blocks"] == 3
+        assert a.worker.statistics()["saved_blocks"] == 3
+        a.settle()
 
         b.add(make_request("b1", prompt))
         out, errors = b.step()
@@ -157,7 +159,7 @@ def test_worker_save_then_load_is_byte_exact(model_dir, kvtierd):
         for i in range(3):
             assert torch.equal(b.page(b_ids[i]), a.page(a_ids[i])), f"block {i} differs"
             assert torch.equal(b.page(b_ids[i]), b.expected_page(prompt, i))
-        assert b.worker.counters["loaded_blocks"] == 3
+        assert b.worker.statistics()["loaded_blocks"] == 3
     finally:
         a.close()
         b.close()
@@ -169,22 +171,16 @@ def test_corrupt_block_is_reported_and_recomputed(model_dir, kvtierd):
     try:
         a.add(make_request("a1", prompt))
         a.step()
-        # Plant a bad block 1: a well-formed frame (CRCs correct) whose payload is
-        # cut short - what a torn or foreign write would leave. LOOKUP still sees it.
-        ns = request_namespace(a.worker.shards[0], None, None)
-        key1 = ns.keys(prompt)[1]
-        with BlockClient(kvtierd.data_addr) as client:
-            assert client.get(key1) is not None and client.delete(key1)
-            bad = encode_block(key1, a.worker.shards[0].id, a.worker.cache.codec.codec_id, b"\0" * 64)
-            client.put(key1, bad)
-            assert len(client.get(key1)) == len(bad)  # the daemon only stamps its sequence
+        a.settle()
+        key1 = plant_bad_block(a, kvtierd, prompt, 1)
+        ns = a.worker.key_namespace(None, None, 0)
 
         b.add(make_request("b1", prompt))
         out, errors = b.step()
         b_ids = b.block_ids("b1")
         assert [op.num_blocks for op in out.kv_connector_metadata.loads] == [3]
         assert errors == {b_ids[1]}
-        assert b.worker.counters["failed_blocks"] == 1
+        assert b.worker.statistics()["failed_blocks"] == 1
         assert torch.equal(b.page(b_ids[0]), b.expected_page(prompt, 0))  # block 0 loaded
         # vLLM truncated the request at the failed block and recomputes from there
         req = b.requests["b1"]
@@ -195,7 +191,8 @@ def test_corrupt_block_is_reported_and_recomputed(model_dir, kvtierd):
             assert torch.equal(b.page(b_ids[i]), b.expected_page(prompt, i)), f"block {i}"
         # the recomputed block was saved again, replacing the bad one
         assert [(op.first_block, op.num_blocks) for op in out.kv_connector_metadata.saves] == [(1, 2)]
-        with KVCache(a.worker.shards[0], kvtierd.data_addr, hot_pool_bytes=0) as cache:
+        b.settle()
+        with KVCache(a.worker.caches_namespace(None, None), kvtierd.data_addr, hot_pool_bytes=0) as cache:
             got = cache.load_blocks(ns.keys(prompt)[:3])
             with BlockClient(kvtierd.data_addr) as client:
                 lens = [len(x) if x else None for x in client.get_many(ns.keys(prompt)[:3])]
@@ -203,6 +200,21 @@ def test_corrupt_block_is_reported_and_recomputed(model_dir, kvtierd):
     finally:
         a.close()
         b.close()
+
+
+def plant_bad_block(engine: Engine, kvtierd, prompt, index: int) -> bytes:
+    """Replace stored block ``index`` of ``prompt`` by a well-formed frame (CRCs correct)
+    whose payload is cut short - what a torn or foreign write would leave. LOOKUP still
+    sees it. Returns its key."""
+    w = engine.worker
+    key = w.key_namespace(None, None, 0).keys(prompt)[index]
+    tenant = w.caches_namespace(None, None)
+    with BlockClient(kvtierd.data_addr) as client:
+        assert client.get(key) is not None and client.delete(key)
+        bad = encode_block(key, tenant.id, w.caches.get(None, None).codec.codec_id, b"\0" * 64)
+        client.put(key, bad)
+        assert len(client.get(key)) == len(bad)  # the daemon only stamps its sequence
+    return key
 
 
 def test_store_all_saves_generated_blocks_and_prompt_does_not(model_dir, kvtierd):
@@ -216,6 +228,7 @@ def test_store_all_saves_generated_blocks_and_prompt_does_not(model_dir, kvtierd
             out, _ = a.step()
             saves += [(op.first_block, op.num_blocks) for op in out.kv_connector_metadata.saves]
         assert saves == [(0, 1), (1, 1)]
+        a.settle()
         tokens = list(a.requests["a1"].all_token_ids)[:2 * BLOCK_TOKENS]
         assert tokens[len(prompt):] == [7] * (2 * BLOCK_TOKENS - len(prompt))  # block 1 ends in generated tokens
 

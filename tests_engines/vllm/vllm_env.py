@@ -169,6 +169,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.last_output = None
         self.load_errors: set[int] = set()
+        self.finished_recving: set[str] = set()
+        self.stats: list = []  # get_kv_connector_stats of every step
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -177,13 +179,16 @@ class Engine:
     def block_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
-    def step(self, sample_token: int = 7):
+    def step(self, sample_token: int = 7, before_save=None):
+        """One engine step; returns the scheduler output and the load errors reported."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
         w = self.worker
         w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
+        # as the model runner does: sync loads start before the forward, async ones after it
+        if out.has_sync_kv_loads:
+            w.start_load_kv(None)
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         starts.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         for layer, name in enumerate(layer_names()):
@@ -191,9 +196,16 @@ class Engine:
             for req_id, n in out.num_scheduled_tokens.items():
                 self._forward_layer(req_id, starts[req_id], n, layer, name)
             w.save_kv_layer(name, self.caches[name], None)
+        if not out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        if before_save is not None:
+            before_save()
         w.wait_for_save()
+        results = w.get_transfer_results(out.finished_req_ids)
         errors = w.get_block_ids_with_load_errors()
         self.load_errors |= errors
+        self.finished_recving |= results.finished_recving
+        self.stats.append(w.get_kv_connector_stats())
         w.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -201,12 +213,16 @@ class Engine:
             req = self.requests[req_id]
             done = starts[req_id] + out.num_scheduled_tokens[req_id] >= req.num_tokens
             sampled.append([sample_token] if done else [])
+        kv_out = KVConnectorOutput(finished_recving=results.finished_recving, invalid_block_ids=errors)
         runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                       sampled_token_ids=sampled,
-                                       kv_connector_output=KVConnectorOutput(invalid_block_ids=errors))
+                                       sampled_token_ids=sampled, kv_connector_output=kv_out)
         self.scheduler.update_from_output(out, runner_out)
         self.last_output = out
         return out, errors
+
+    def settle(self) -> None:
+        """Wait until the write-behind saves queued so far are stored (steps never wait)."""
+        assert self.worker.wait_saves_stored(timeout_s=60)
 
     def _forward_layer(self, req_id: str, start: int, n: int, layer: int, name: str) -> None:
         req = self.requests[req_id]

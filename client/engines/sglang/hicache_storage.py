@@ -14,14 +14,30 @@ pool (``register_mem_pool_host``), and from then on moves pages::
 
     HiCache host pool (MHATokenToKVPoolHost)      kvtierd
       batch_exists(page keys)   ---- one LOOKUP -->  leading pages present
-      batch_get_v1(keys, host_indices)  <-- GET ---  verified blocks, scattered into the pages
-      batch_set_v1(keys, host_indices)  --- PUT -->  the pages, gathered into blocks
+      batch_get_v1(keys, host_indices)  <-- GET ---  verified blocks, each copied straight
+                                                     into its page of the pool (a view)
+      batch_set_v1(keys, host_indices)  --- PUT -->  write-behind: the pages copied straight
+                                                     into send buffers and queued; the PUT
+                                                     runs on a background worker
+
+Saves never wait for the daemon (``batch_set``, ``set`` and ``batch_set_v1``
+alike): the pages are copied out before the call returns, so SGLang may free
+or reuse them at once. A full save queue (``save_queue_bytes``) drops the
+batch, which then reports ``False`` (SGLang logs the failed backup; the pages
+are a later miss); failures of queued PUTs are counted in
+``statistics()``. SGLang backs up whole prefixes again: pages this backend
+queued recently are skipped without a round trip (``recent_saves.py``).
+``close()`` drains the queue.
 
 One page is one kvtier block, ``[layers, 2, kv_heads, page_size, head_dim]``,
 whatever the host pool's layout. SGLang's page keys (hash strings chained
 over the prefix) become 16-byte keys by BLAKE2b-128 keyed by the namespace
-id; the namespace holds the model, this rank's shard (TP and PP rank and
-size) and the layout, so ranks never read each other's heads. A page that is
+id. Two namespaces: the deployment's (model, layout, codec, operator tenant)
+is the id the daemon sees in block headers and frames, so per-tenant
+statistics and ``delete_namespace`` work per deployment tenant; the keys are
+keyed by that plus this rank's shard (TP and PP rank and size), so ranks
+never read each other's heads. (SGLang folds a request's cache salt and LoRA
+into its page hashes, which the daemon cannot tell apart.) A page that is
 missing or fails validation reads as ``False`` (SGLang stops its prefetch
 there and recomputes the rest); its host slots are not written.
 
@@ -40,11 +56,13 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvtier.client import ClientError
-from kvtier.client.engines.namespaces import page_key, shard_namespace
+from kvtier.client.engines.namespaces import key_namespace, page_key
 from kvtier.client.engines.sglang.host_pages import HostPages
+from kvtier.client.engines.sglang.recent_saves import RecentSaves
 from kvtier.common.keys import KVLayout, Namespace
 from kvtier.common.tokens import read_token_file
 from kvtier.client.kvcache import KVCache
+from kvtier.client.save_queue import SAVE_QUEUE_BYTES_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +74,7 @@ EXTRA_CONFIG_KEYS = frozenset({
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys",
     "address", "token", "token_file", "codec", "tenant", "model_id", "hot_pool_bytes", "transport", "device_map",
+    "save_queue_bytes",
 })
 
 
@@ -82,7 +101,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.hot_pool_bytes = int(extra.get("hot_pool_bytes", DEFAULT_HOT_POOL_BYTES))
         self.transport = str(extra.get("transport", "auto"))
         self.device_map = extra.get("device_map")
-        self.namespace: Namespace | None = None
+        self.save_queue_bytes = int(extra.get("save_queue_bytes", SAVE_QUEUE_BYTES_MAX))
+        if self.save_queue_bytes <= 0:
+            raise ValueError(f"kvtier save_queue_bytes must be positive, got {self.save_queue_bytes}")
+        self.namespace: Namespace | None = None  # the tenant's: what the daemon sees
+        self.key_namespace: Namespace | None = None  # + this rank's shard: what the keys are keyed by
         self.cache: KVCache | None = None
         self.pages: HostPages | None = None
         self._stats_lock = threading.Lock()
@@ -90,11 +113,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._backup_pages: list[int] = []
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
-        self.counters = {"exists_calls": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0}
+        self._recent = RecentSaves()
+        self.counters = {"exists_calls": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
+                         "dropped_pages": 0}
 
     # --- setup ---------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Learn the host pool's geometry; open the cache in this rank's namespace."""
+        """Learn the host pool's geometry; open the cache in the tenant's namespace."""
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
         if self.storage_config.is_mla_model or not hasattr(pool, "v_head_dim"):
@@ -104,16 +129,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
         dtype = str(pool.dtype).removeprefix("torch.")
         layout = KVLayout(pool.layer_num, pool.head_num, pool.head_dim, dtype, pool.page_size)
         cfg = self.storage_config
-        base = Namespace(self.model, layout, self.codec, self.tenant)
-        namespace = shard_namespace(base, cfg.tp_rank, cfg.tp_size, cfg.pp_rank, cfg.pp_size)
+        namespace = Namespace(self.model, layout, self.codec, self.tenant)
+        keyed = key_namespace(namespace, cfg.tp_rank, cfg.tp_size, cfg.pp_rank, cfg.pp_size)
         pages = HostPages(pool.kv_buffer, pool.layout, pool.page_size, pool.layer_num, pool.head_num, pool.head_dim)
         cache = KVCache(namespace, self.addresses, token=self.token, hot_pool_bytes=self.hot_pool_bytes,
-                        device="cpu", device_map=self.device_map, transport=self.transport)
+                        device="cpu", device_map=self.device_map, transport=self.transport,
+                        save_queue_bytes=self.save_queue_bytes)
         if self.cache is not None:
             self.cache.close()
-        self.namespace, self.pages, self.cache = namespace, pages, cache
+        self.namespace, self.key_namespace, self.pages, self.cache = namespace, keyed, pages, cache
 
     def close(self) -> None:
+        """Drain the write-behind saves, close the connections."""
         if self.cache is not None:
             self.cache.close()
             self.cache = None
@@ -124,9 +151,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return self.cache
 
     def keys_of(self, keys: List[str]) -> list[bytes]:
-        """SGLang page keys -> kvtier keys in this rank's namespace."""
+        """SGLang page keys -> kvtier keys of this rank's shard."""
         self._ready()
-        ns_id = self.namespace.id
+        ns_id = self.key_namespace.id
         return [page_key(ns_id, k) for k in keys]
 
     # --- existence -------------------------------------------------------------
@@ -157,10 +184,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         started = time.perf_counter()
         blocks = self._load(keys)
         ok = [blk is not None for blk in blocks]
-        good = [i for i, flag in enumerate(ok) if flag]
-        if good:
-            self.pages.write(tokens[good], torch.stack([blocks[i] for i in good]))
-        self._record(self._prefetch_pages, self._prefetch_bw, len(good), started)
+        for page, block in zip(self.pages.page_views(tokens), blocks):
+            if block is not None:
+                page.copy_(block)  # straight into the host pool
+        self._record(self._prefetch_pages, self._prefetch_bw, sum(ok), started)
         return ok
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -170,7 +197,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._ready()
         tokens = self.pages.page_tokens(host_indices, len(keys))
         started = time.perf_counter()
-        stored = self._store(keys, lambda first: list(self.pages.read(tokens[first:]).unbind(0)))
+        stored = self._store(keys, self.pages.page_views(tokens))  # copied straight out of the pool
         self._record(self._backup_pages, self._backup_bw, len(keys) if stored else 0, started)
         return [stored] * len(keys)
 
@@ -206,8 +233,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise ValueError(f"batch_set needs one flat page per key: {len(keys)} keys")
         started = time.perf_counter()
-        stored = self._store(keys, lambda first: [self.pages.block_from_flat(torch.as_tensor(v))
-                                                  for v in values[first:]])
+        stored = self._store(keys, [self.pages.block_from_flat(torch.as_tensor(v)) for v in values])
         self._record(self._backup_pages, self._backup_bw, len(keys) if stored else 0, started)
         return stored
 
@@ -224,21 +250,36 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.counters["failed_pages"] += len(keys) - good
         return blocks
 
-    def _store(self, keys: List[str], blocks_from) -> bool:
-        """Store the pages of ``keys`` past the leading ones kvtier already holds
-        (one LOOKUP; SGLang backs up whole prefixes). ``blocks_from(first)``
-        gives the blocks of ``keys[first:]``."""
+    def _store(self, keys: List[str], blocks: list) -> bool:
+        """Write-behind: copy the blocks of the pages not queued recently out and queue
+        their PUT; never waits for the daemon. False when the save queue is full (the batch
+        is dropped and counted)."""
         cache = self._ready()
         kv_keys = self.keys_of(keys)
+        first = self._recent.leading(kv_keys)  # SGLang backs up whole prefixes again
+        if first == len(kv_keys):
+            return True
+        new = kv_keys[first:]
         try:
-            first = cache.lookup_keys(kv_keys)
-            if first < len(kv_keys):
-                cache.store_blocks(kv_keys[first:], blocks_from(first))
-        except IO_ERRORS as exc:
-            logger.warning("kvtier store of %d pages failed (%s); they stay in the host pool only", len(keys), exc)
+            queued = cache.store_blocks_async(new, blocks[first:])
+        except RuntimeError as exc:  # the queue is closed: SGLang is shutting down
+            logger.warning("kvtier store of %d pages not queued (%s)", len(new), exc)
             return False
-        self.counters["saved_pages"] += len(keys) - first
+        if queued.done() and queued.exception() is None and queued.result() == 0:
+            self.counters["dropped_pages"] += len(new)
+            return False
+        self._recent.add(new, queued)
+        self.counters["saved_pages"] += len(new)
         return True
+
+    def wait_saves_stored(self, timeout_s: float | None = None) -> bool:
+        """Wait until the saves queued so far have finished; False on timeout. SGLang never
+        calls this: it is for shutdown paths and tests."""
+        return self._recent.wait(timeout_s)
+
+    def statistics(self):
+        """The write-behind queue's figures (``SaveQueueStatistics``: queued, done, failed, dropped)."""
+        return self._ready().statistics().saves
 
     def _record(self, pages: list, bandwidth: list, n_pages: int, started: float) -> None:
         if n_pages <= 0 or self.pages is None:

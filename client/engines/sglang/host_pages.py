@@ -12,9 +12,12 @@ SGLang's ``MHATokenToKVPoolHost`` keeps every layer's K and V in one
     page_first_direct  [2, pages, layers, page, heads, dim]       [2, 1, layers, page, heads, dim]
     page_head          [2, pages, heads, page, layers, dim]       [2, 1, heads, page, layers, dim]
 
-:class:`HostPages` moves whole batches of pages with one advanced-indexing
-gather or scatter (the v1 interface) and converts single flat pages (the
-generic interface), each a permutation of the axes above.
+:class:`HostPages` gives each page of the pool as a block-shaped view
+(:meth:`page_views`: basic slicing and a permutation, no copy), so the v1
+interface reads and writes the pool in place: a loaded block is copied
+straight into its page, a saved page is copied straight out of it into the
+send buffer. It also moves whole batches with one advanced-indexing gather or
+scatter, and converts single flat pages (the generic interface).
 """
 from __future__ import annotations
 
@@ -30,6 +33,13 @@ _GATHER = {
     "page_first": ("tokens_at_1", (1, 3, 0, 4, 2, 5)),  # [2, n, P, L, H, D]
     "page_first_direct": ("pages_at_1", (1, 2, 0, 4, 3, 5)),  # [2, n, L, P, H, D]
     "page_head": ("pages_at_1", (1, 4, 0, 2, 3, 5)),  # [2, n, H, P, L, D]
+}
+# kv_buffer[<one page>] -> [L, 2, H, P, D]: (index style, permutation); every style is a basic slice (a view)
+_PAGE = {
+    "layer_first": ("tokens_at_2", (1, 0, 3, 2, 4)),  # [2, L, P, H, D]
+    "page_first": ("tokens_at_1", (2, 0, 3, 1, 4)),  # [2, P, L, H, D]
+    "page_first_direct": ("pages_at_1", (1, 0, 3, 2, 4)),  # [2, L, P, H, D]
+    "page_head": ("pages_at_1", (3, 0, 1, 2, 4)),  # [2, H, P, L, D]
 }
 # flat page (reshaped to 5 axes) -> block [L, 2, H, P, D], and back
 _FLAT = {
@@ -79,6 +89,21 @@ class HostPages:
                 tokens - starts, torch.arange(self.page_size).expand_as(tokens)):
             raise ValueError("host indices are not whole, aligned pages")
         return tokens
+
+    def page_views(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Each page at ``tokens`` (from :meth:`page_tokens`) as a ``[L, 2, H, P, D]`` view
+        into ``kv_buffer``: writes go straight into the host pool."""
+        style, perm = _PAGE[self.layout]
+        out = []
+        for start in tokens[:, 0].tolist():
+            if style == "tokens_at_2":
+                page = self.kv_buffer[:, :, start:start + self.page_size]
+            elif style == "tokens_at_1":
+                page = self.kv_buffer[:, start:start + self.page_size]
+            else:
+                page = self.kv_buffer[:, start // self.page_size]
+            out.append(page.permute(perm))
+        return out
 
     def read(self, tokens: torch.Tensor) -> torch.Tensor:
         """The pages at ``tokens`` (from :meth:`page_tokens`) as ``[n, L, 2, H, P, D]``."""

@@ -11,19 +11,37 @@ Load it with::
     scheduler process                              worker process (one per TP rank)
     -----------------                              --------------------------------
     get_num_new_matched_tokens                     register_kv_caches   learn the paged layout
-      one LOOKUP per TP shard, minimum wins        start_load_kv        fetch the blocks (a thread)
-    update_state_after_alloc  -> load plan         wait_for_layer_load  scatter that layer
-    build_connector_meta      -> BlockOps  ----->  save_kv_layer        gather that layer
-    update_connector_output   <- load errors       wait_for_save        PUT the completed blocks
-    request_finished          (frees at once)      get_block_ids_with_load_errors
+      extend the request's key chains,             start_load_kv        start one fetch per request
+      one LOOKUP per TP shard, minimum wins        wait_for_layer_load  wait for that layer, scatter it
+    update_state_after_alloc  -> load plan         save_kv_layer        gather that layer (host copy)
+    build_connector_meta      -> BlockOps  ----->  wait_for_save        enqueue the saves (write-behind)
+    update_connector_output   <- load errors,      get_finished         async loads done: scattered
+                                 finished loads    get_block_ids_with_load_errors
+    request_finished                               get_kv_connector_stats  drops, failures, blocks
+                                                   shutdown             drain the save queues
 
-Loads are synchronous in vLLM's sense (``load_kv_async=False``): the fetch
-starts before the forward and each attention layer waits only for its own
-scatter. A block that is missing or fails validation (CRC, key, namespace,
-codec) is never written into vLLM's cache; its id is reported by
-``get_block_ids_with_load_errors`` and vLLM recomputes from it. Saves copy
-the blocks out during the step, so vLLM may free them as soon as a request
-finishes; a failed save is logged and is only a future miss.
+Loads: ``start_load_kv`` only starts the fetches (one background future per
+request, ``worker_loads.py``). With ``load_async`` false (the default) vLLM
+runs the request in the same step and each attention layer's
+``wait_for_layer_load`` waits for what that layer needs (today the whole
+fetch: a block holds every layer) and scatters it. With ``load_async`` true
+the request waits in vLLM's WAITING_FOR_REMOTE_KVS while the batch goes on;
+``get_finished`` scatters each completed fetch and reports its request.
+A block that is missing or fails validation (CRC, key, namespace, codec) is
+never written into vLLM's cache; its id is reported by
+``get_block_ids_with_load_errors`` (in the step it is found, which for an
+async load is the step its request is reported finished) and vLLM
+recomputes from it.
+
+Saves are write-behind (``worker_saves.py``): the blocks are copied out
+during the step and queued; the PUT runs in the background. A full queue
+drops the save (a later miss, counted in the connector stats); shutdown
+drains the queues.
+
+Namespaces: the daemon sees each request's tenant namespace (model, layout,
+codec, operator tenant, the request's cache salt, its LoRA adapter) in the
+block headers and frames; the keys chain from the tenant namespace plus the
+TP shard, so shards never share keys (``namespaces.py``).
 
 Requests with multimodal inputs or prompt embeddings are neither loaded nor
 saved (their token ids do not determine their KV).
@@ -31,7 +49,6 @@ saved (their token ids do not determine their KV).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +61,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.client import ClientError
-from kvtier.client.engines.namespaces import request_namespace, shard_namespace
+from kvtier.client.engines.namespaces import key_namespace, request_namespace
+from kvtier.client.engines.vllm.connector_stats import KVTierConnectorStats, delta
 from kvtier.client.engines.vllm.paged_views import PagedGeometry, paged_layout, paged_view
-from kvtier.client.engines.vllm.scheduler_plan import BlockOp, RequestState, load_op, save_op
+from kvtier.client.engines.vllm.scheduler_plan import (
+    BlockOp,
+    RequestState,
+    block_op,
+    load_range,
+    save_range,
+)
 from kvtier.client.engines.vllm.settings import KVTierSettings
-from kvtier.common.keys import KVLayout, Namespace
+from kvtier.client.engines.vllm.tenant_caches import TenantCaches
+from kvtier.client.engines.vllm.worker_loads import IO_ERRORS, WorkerLoads
+from kvtier.client.engines.vllm.worker_saves import WorkerSaves
 from kvtier.client.kvcache import KVCache
-from kvtier.kernels.paged import gather_blocks, scatter_blocks
+from kvtier.common.keys import KVLayout, Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,14 +90,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IO_ERRORS = (ClientError, OSError)  # the daemon unreachable or refusing: a miss, never a crash
-
 
 @dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step."""
+    """Scheduler -> workers, once per step: only this step's blocks (O(new blocks))."""
 
-    loads: list[BlockOp] = field(default_factory=list)
+    loads: list[BlockOp] = field(default_factory=list)  # the forward of this step needs them
+    async_loads: list[BlockOp] = field(default_factory=list)  # their requests wait between steps
     saves: list[BlockOp] = field(default_factory=list)
 
 
@@ -97,34 +121,49 @@ class KVTierConnector(KVConnectorBase_V1):
         model = self.settings.model_id or vllm_config.model_config.model
         extra = {"engine_page": "vllm-cpu"} if self.page_family == "cpu" else {}
         self.base_namespace = Namespace(model, layout, self.settings.codec, self.settings.tenant, extra)
-        self.shards = tuple(shard_namespace(self.base_namespace, r, self.tp_size) for r in range(self.tp_size))
         self._requests: dict[str, RequestState] = {}
-        self.cache: KVCache | None = None
+        self.caches: TenantCaches | None = None
+        self._device = "cpu"
         if role == KVConnectorRole.SCHEDULER:
             self.tp_rank = 0
-            self.cache = self._open_cache(self.shards[0], hot_pool_bytes=0, device="cpu")
+            self.caches = self._open_caches(hot_pool_bytes=0)
         else:
-            self.tp_rank = _tp_rank(self.tp_size)  # the worker's cache opens with the KV tensors' device
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm")
+            self.tp_rank = _tp_rank(self.tp_size)  # the worker's caches open with the KV tensors' device
         # worker state
         self._views: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
-        self._load: _PendingLoad | None = None
-        self._load_errors: set[int] = set()
-        self._save_parts: dict[int, torch.Tensor] = {}
-        self.counters = {"lookups": 0, "hit_blocks": 0, "loaded_blocks": 0, "failed_blocks": 0,
-                         "saved_blocks": 0, "failed_saves": 0}
+        self._loads: WorkerLoads | None = None
+        self._saves: WorkerSaves | None = None
+        self._saves_meta: KVTierConnectorMetadata | None = None  # the step whose saves are being gathered
+        self._stats_reported: dict[str, int] = {}
+        self.counters = {"lookups": 0, "hit_blocks": 0}
 
-    def _open_cache(self, namespace: Namespace, hot_pool_bytes: int, device: str) -> KVCache:
+    def _open_caches(self, hot_pool_bytes: int) -> TenantCaches:
         s = self.settings
-        return KVCache(namespace, list(s.addresses), token=s.token, hot_pool_bytes=hot_pool_bytes,
-                       device=device, device_map=s.device_map, transport=s.transport)
+
+        def open_cache(namespace: Namespace) -> KVCache:
+            return KVCache(namespace, list(s.addresses), token=s.token, hot_pool_bytes=hot_pool_bytes,
+                           device=self._device, device_map=s.device_map, transport=s.transport,
+                           save_queue_bytes=s.save_queue_bytes)
+        return TenantCaches(self.base_namespace, open_cache)
+
+    def key_namespace(self, cache_salt: str | None, lora_name: str | None, rank: int) -> Namespace:
+        """The namespace a TP rank's keys chain from, for one tenant."""
+        return key_namespace(self.caches_namespace(cache_salt, lora_name), rank, self.tp_size)
+
+    def caches_namespace(self, cache_salt: str | None, lora_name: str | None) -> Namespace:
+        """The tenant namespace (its id is what the daemon sees)."""
+        return request_namespace(self.base_namespace, cache_salt, lora_name)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Loads scatter in wait_for_layer_load: it must run before each layer's
         attention, which a full CUDA graph replay would skip."""
         return True
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data=dict(data or {}))
 
     # ==================================================================
     # scheduler side
@@ -133,15 +172,15 @@ class KVTierConnector(KVConnectorBase_V1):
         state = self._state_for(request)
         if state is None:
             return 0, False
-        tokens = list(request.all_token_ids)
-        keys = self._keys_for(state, tokens)
+        state.extend_keys(request.all_token_ids)  # only the blocks completed since the last call
         first = num_computed_tokens // self.block_tokens
-        present = len(keys[0]) - first
+        present = len(state.chains[0].keys) - first
+        cache = self.caches.get(*state.tenant)
         try:
-            for rank_keys in keys:  # each TP rank's shard; all must hold a block for it to count
+            for chain in state.chains:  # each TP rank's shard; all must hold a block for it to count
                 if present <= 0:
                     break
-                present = min(present, self.cache.lookup_keys(rank_keys[first:first + present]))
+                present = min(present, cache.lookup_keys(chain.keys[first:first + present]))
         except IO_ERRORS as exc:
             logger.warning("kvtier lookup failed (%s); request %s recomputes", exc, request.request_id)
             present = 0
@@ -152,41 +191,57 @@ class KVTierConnector(KVConnectorBase_V1):
             self.counters["hit_blocks"] += max(present, 0)
         state.pending_load = None
         state.local_tokens = num_computed_tokens
-        return matched, False
+        return matched, bool(matched) and self.settings.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
-        state.pending_load = load_op(state, list(request.all_token_ids), block_ids, state.local_tokens,
-                                     num_external_tokens, self.block_tokens)
+        span = load_range(state, len(block_ids), state.local_tokens, num_external_tokens, self.block_tokens)
+        if span is not None:
+            first, stop = span
+            state.pending_load = block_op(state, first, block_ids[first:stop], state.keys_of(first, stop))
+            state.pending_async = self.settings.load_async
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVTierConnectorMetadata()
+        for state in self._requests.values():  # async loads' requests are not scheduled this step
+            if state.pending_load is not None:
+                (meta.async_loads if state.pending_async else meta.loads).append(state.pending_load)
+                state.loaded, state.pending_load = state.pending_load, None
+                state.loading_async = state.pending_async
+        if self._kv_cache_manager is None or self.settings.store == "none":
+            return meta
         computed_before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None:
-                continue
-            if state.pending_load is not None:
-                meta.loads.append(state.pending_load)
-                state.loaded = state.pending_load
-                state.pending_load = None
-            if self._kv_cache_manager is None or req_id not in computed_before:
+            if state is None or req_id not in computed_before:
                 continue
             request = state.request
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            op = save_op(state, list(request.all_token_ids), block_ids, computed_before[req_id] + n_scheduled,
-                         request.num_tokens, self.block_tokens, self.settings.store)
-            if op is not None:
-                meta.saves.append(op)
+            span = save_range(state, computed_before[req_id] + n_scheduled, request.num_tokens, self.block_tokens,
+                              self.settings.store)
+            if span is None:
+                continue
+            first, stop = span
+            state.extend_keys(request.all_token_ids)
+            meta.saves.append(block_op(state, first, self._block_ids(req_id, first, stop), state.keys_of(first, stop)))
         return meta
 
+    def _block_ids(self, req_id: str, first: int, stop: int) -> list[int]:
+        """vLLM block ids ``first .. stop`` of a request, without copying its whole block table."""
+        blocks = self._kv_cache_manager.coordinator.get_blocks(req_id)[0]
+        return [blk.block_id for blk in blocks[first:stop]]
+
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
-        """Blocks that failed to load are recomputed by vLLM: save them again then."""
+        """Async loads reported done; blocks that failed to load are recomputed by
+        vLLM: save them again then."""
+        for req_id in connector_output.finished_recving or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.loading_async = False
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
@@ -201,8 +256,11 @@ class KVTierConnector(KVConnectorBase_V1):
                 state.saved_blocks = min(state.saved_blocks, redo)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None  # saves copy their blocks during the step: free them now
+        """Saves copy their blocks during the step, so vLLM frees them at once; a
+        request whose async load is still in flight keeps them until the worker
+        reports the load finished (vLLM then frees them)."""
+        state = self._requests.pop(request.request_id, None)
+        return state is not None and state.loading_async, None
 
     def _state_for(self, request: "Request") -> RequestState | None:
         """The request's state, or None when its tokens do not determine its KV."""
@@ -212,16 +270,11 @@ class KVTierConnector(KVConnectorBase_V1):
         if state is None:
             lora = request.lora_request.lora_name if request.lora_request is not None else None
             state = RequestState(request.request_id, request.cache_salt, lora, len(request.prompt_token_ids))
+            state.chains = tuple(self.key_namespace(state.cache_salt, lora, r).key_chain()
+                                 for r in range(self.tp_size))
             self._requests[request.request_id] = state
         state.request = request
         return state
-
-    def _keys_for(self, state: RequestState, tokens: list[int]) -> tuple:
-        if state.keys_tokens != len(tokens):
-            state.keys = tuple(request_namespace(ns, state.cache_salt, state.lora_name).keys(tokens)
-                               for ns in self.shards)
-            state.keys_tokens = len(tokens)
-        return state.keys
 
     # ==================================================================
     # worker side
@@ -234,64 +287,106 @@ class KVTierConnector(KVConnectorBase_V1):
             raise ValueError(f"KV caches for layers {names}, the KV cache config has {self._layer_names}")
         self._views = [paged_view(kv_caches[n], self.page_family, self.geometry) for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
-        self._paged_layout = paged_layout(self.page_family)
-        if self.cache is None:  # blocks decode straight onto the KV cache's device
-            self.cache = self._open_cache(self.shards[self.tp_rank], self.settings.hot_pool_bytes,
-                                          str(self._views[0].device))
+        layout = paged_layout(self.page_family)
+        if self.caches is None:  # blocks decode straight onto the KV cache's device
+            self._device = str(self._views[0].device)
+            self.caches = self._open_caches(self.settings.hot_pool_bytes)
+        self._loads = WorkerLoads(self._views, layout, self._discard)
+        self._saves = WorkerSaves(self._views, layout)
+
+    def _cache_for(self, op: BlockOp) -> KVCache:
+        return self.caches.get(*op.tenant)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Start this step's fetches (one background future per request); never waits."""
         meta = self._metadata()
-        if meta is None or not meta.loads:
+        if meta is None or self._loads is None:
             return
-        assert self._load is None, "start_load_kv twice without the previous load finishing"
-        keys, block_ids = self._op_keys(meta.loads)
-        self._load = _PendingLoad(keys, block_ids, self._executor.submit(self.cache.load_blocks, keys),
-                                  set(range(len(self._views))))
+        for ops, is_async in ((meta.loads, False), (meta.async_loads, True)):
+            for op in ops:
+                self._loads.start(op.req_id, self._cache_for(op), list(op.keys[self.tp_rank]), list(op.block_ids),
+                                  is_async)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._load is None:
-            return
         layer = self._layer_index.get(layer_name)
-        if layer is not None:
-            self._scatter_layer(self._load, layer)
+        if layer is not None and self._loads is not None:
+            self._loads.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
         meta = self._metadata()
         layer = self._layer_index.get(layer_name)
-        if meta is None or not meta.saves or layer is None or layer in self._save_parts:
+        if meta is None or not meta.saves or layer is None or self._saves is None:
+            return
+        self._begin_saves(meta)
+        self._saves.gather_layer(layer)
+
+    def _begin_saves(self, meta: KVTierConnectorMetadata) -> None:
+        """Tell the saver this step's blocks, once per step's metadata."""
+        if self._saves_meta is meta:
             return
         # a step's loads and saves never share a block: saves start past the hit
-        _, block_ids = self._op_keys(meta.saves, keys=False)
-        self._save_parts[layer] = gather_blocks([self._views[layer]], block_ids, self._paged_layout)
+        self._saves.begin([b for op in meta.saves for b in op.block_ids])
+        self._saves_meta = meta
 
     def wait_for_save(self):
-        self._finish_load()
+        """Complete this step's sync loads, then enqueue its saves (never waits for a PUT)."""
+        if self._loads is not None:
+            self._loads.finish_sync()
         meta = self._metadata()
-        parts, self._save_parts = self._save_parts, {}
-        if meta is None or not meta.saves:
+        if meta is None or not meta.saves or self._saves is None:
             return
-        keys, block_ids = self._op_keys(meta.saves)
-        for layer in range(len(self._views)):  # layers whose save_kv_layer hook did not run
-            if layer not in parts:
-                parts[layer] = gather_blocks([self._views[layer]], block_ids, self._paged_layout)
-        blocks = torch.cat([parts[i] for i in range(len(self._views))], dim=1)
-        try:
-            self.cache.store_blocks(keys, list(blocks.unbind(0)))
-            self.counters["saved_blocks"] += len(keys)
-        except IO_ERRORS as exc:
-            self.counters["failed_saves"] += len(keys)
-            logger.warning("kvtier save of %d blocks failed (%s); they will be misses", len(keys), exc)
+        self._begin_saves(meta)
+        self._saves.submit(meta.saves, self._cache_for, self.tp_rank)
+        self._saves_meta = None
+
+    def wait_saves_stored(self, timeout_s: float | None = None) -> bool:
+        """Wait until the saves queued so far have finished (never called by a step)."""
+        return self._saves is None or self._saves.wait_stored(timeout_s)
+
+    def wait_loads_fetched(self, timeout_s: float | None = None) -> bool:
+        """Wait until the fetches in flight have their blocks (never called by a step)."""
+        return self._loads is None or self._loads.wait_fetched(timeout_s)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose async load is done (scattered into vLLM's cache)."""
+        if self._loads is None:
+            return None, None
+        return None, (self._loads.poll() or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self._finish_load()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        if self._loads is None:
+            return set()
+        self._loads.finish_sync()
+        return self._loads.take_errors()
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        """The worker's counts since the last call (vLLM sums them over the workers)."""
+        if self._loads is None or self.caches is None:
+            return None
+        now = self.statistics()
+        stats = delta(now, self._stats_reported)
+        self._stats_reported = now
+        return stats
+
+    def statistics(self) -> dict[str, int]:
+        """The worker's cumulative counts: loads, saves queued, and the save queues' outcomes."""
+        out: dict[str, int] = {}
+        for part in (self._loads, self._saves):
+            if part is not None:
+                out.update(part.counters)
+        if self.caches is not None:
+            saves = self.caches.saves()
+            out.update(saves_done=saves.saves_done, saves_failed=saves.saves_failed,
+                       saves_dropped=saves.saves_dropped, blocks_dropped=saves.blocks_dropped)
+        return out
 
     def shutdown(self):
-        self._executor.shutdown(wait=True)
-        if self.cache is not None:
-            self.cache.close()
+        """Wait for the fetches in flight, drain the save queues, close the connections."""
+        if self._loads is not None:
+            self._loads.close()
+        if self.caches is not None:
+            self.caches.close()
 
     # --- worker helpers ------------------------------------------------------
     def _metadata(self) -> KVTierConnectorMetadata | None:
@@ -300,44 +395,6 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata), type(meta)
         return meta
-
-    def _op_keys(self, ops: list[BlockOp], keys: bool = True) -> tuple[list[bytes], list[int]]:
-        """The keys (this rank's namespace) and vLLM block ids of ``ops``, in order."""
-        all_keys: list[bytes] = []
-        all_ids: list[int] = []
-        shard = self.shards[self.tp_rank]
-        for op in ops:
-            if keys:
-                chain = request_namespace(shard, op.cache_salt, op.lora_name).keys(op.tokens)
-                all_keys.extend(chain[op.first_block:op.first_block + op.num_blocks])
-            all_ids.extend(op.block_ids)
-        return all_keys, all_ids
-
-    def _fetched(self, load: "_PendingLoad") -> None:
-        """Resolve the fetch once: the good blocks as one buffer, the rest as errors."""
-        if load.ready:
-            return
-        reachable = True
-        try:
-            blocks = load.future.result()
-        except IO_ERRORS as exc:
-            logger.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them", len(load.block_ids), exc)
-            blocks, reachable = [None] * len(load.block_ids), False
-        good, seen, bad_keys = [], set(), []
-        for key, block_id, block in zip(load.keys, load.block_ids, blocks):
-            if block is None:
-                self._load_errors.add(block_id)
-                bad_keys.append(key)
-            elif block_id not in seen:
-                seen.add(block_id)
-                good.append((block_id, block))
-        self.counters["loaded_blocks"] += len(good)
-        self.counters["failed_blocks"] += len(load.block_ids) - len(good)
-        if bad_keys and reachable:
-            self._discard(bad_keys)
-        load.good_ids = [b for b, _ in good]
-        load.buffer = torch.stack([blk for _, blk in good]) if good else None
-        load.ready = True
 
     def _discard(self, keys: list[bytes]) -> None:
         """Delete blocks that LOOKUP reported but that failed to load or validate.
@@ -352,37 +409,6 @@ class KVTierConnector(KVConnectorBase_V1):
                     client.delete_many(keys)
             except IO_ERRORS as exc:
                 logger.warning("kvtier could not delete %d bad blocks on %s (%s)", len(keys), address, exc)
-
-    def _scatter_layer(self, load: "_PendingLoad", layer: int) -> None:
-        if layer not in load.layers_left:
-            return
-        self._fetched(load)
-        load.layers_left.discard(layer)
-        if load.buffer is not None:
-            part = load.buffer[:, layer:layer + 1].contiguous()
-            scatter_blocks(part, [self._views[layer]], load.good_ids, self._paged_layout)
-
-    def _finish_load(self) -> None:
-        load = self._load
-        if load is None:
-            return
-        for layer in sorted(load.layers_left):
-            self._scatter_layer(load, layer)
-        self._fetched(load)
-        self._load = None
-
-
-@dataclass
-class _PendingLoad:
-    """One step's load on the worker: the fetch future and the layers still to scatter."""
-
-    keys: list[bytes]
-    block_ids: list[int]
-    future: Future
-    layers_left: set[int]
-    ready: bool = False
-    good_ids: list[int] = field(default_factory=list)
-    buffer: torch.Tensor | None = None
 
 
 def _single_attention_group(kv_cache_config: "KVCacheConfig"):

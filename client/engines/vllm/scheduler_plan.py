@@ -13,12 +13,16 @@ Per request the scheduler side remembers where its tokens stand::
   computed after this step, capped by the store policy (prompt or all tokens)
   and by the tokens the request really has (never speculative drafts).
 
-Block operations travel to the workers as :class:`BlockOp`, plain picklable
-data: the worker derives the keys itself, in its own shard's namespace.
+Each request keeps one :class:`~kvtier.common.keys.KeyChain` per TP rank,
+extended by the blocks completed since the last step: a step costs O(its new
+blocks), never O(the request). Block operations travel to the workers as
+:class:`BlockOp`, plain picklable data holding only what the worker needs for
+this step: the keys (per TP rank) and vLLM block ids of the blocks to load or
+save, and the request's cache salt and LoRA name (its tenant namespace).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STORE_POLICIES = ("prompt", "all", "none")
 
@@ -27,14 +31,14 @@ STORE_POLICIES = ("prompt", "all", "none")
 class BlockOp:
     """Blocks ``first_block ..`` of one request, at vLLM ``block_ids``.
 
-    ``tokens`` is the request's token prefix up to the end of the last block,
-    so that the worker can chain the keys; ``cache_salt`` and ``lora_name``
-    pick the request's namespace."""
+    ``keys[rank]`` are the blocks' keys in that TP rank's key namespace (one
+    per block id); ``cache_salt`` and ``lora_name`` pick the tenant namespace
+    the blocks are stored under."""
 
     req_id: str
-    tokens: tuple[int, ...]
     first_block: int
     block_ids: tuple[int, ...]
+    keys: tuple[tuple[bytes, ...], ...]
     cache_salt: str | None = None
     lora_name: str | None = None
 
@@ -42,10 +46,17 @@ class BlockOp:
         if self.first_block < 0 or not self.block_ids:
             raise ValueError(f"BlockOp for {self.req_id}: first_block {self.first_block}, "
                              f"{len(self.block_ids)} block ids")
+        if not self.keys or any(len(k) != len(self.block_ids) for k in self.keys):
+            raise ValueError(f"BlockOp for {self.req_id}: {len(self.block_ids)} block ids but keys per rank "
+                             f"{[len(k) for k in self.keys]}")
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    @property
+    def tenant(self) -> tuple[str | None, str | None]:
+        return (self.cache_salt, self.lora_name)
 
 
 @dataclass
@@ -61,9 +72,25 @@ class RequestState:
     hit_blocks: int = 0  # local hit + leading blocks present in kvtier past it (minimum over TP ranks)
     saved_blocks: int = 0  # leading blocks known to be stored
     pending_load: BlockOp | None = None  # planned by update_state_after_alloc, sent by build_connector_meta
+    pending_async: bool = False  # the pending load is asynchronous (between steps)
     loaded: BlockOp | None = None  # the last load sent to the workers
-    keys: tuple = ()  # per TP rank, the chained keys of the request's full blocks
-    keys_tokens: int = -1  # the token count ``keys`` was computed for
+    loading_async: bool = False  # an async load was sent and the workers have not reported it done
+    chains: tuple = field(default_factory=tuple)  # per TP rank, the KeyChain of the request's full blocks
+
+    @property
+    def tenant(self) -> tuple[str | None, str | None]:
+        return (self.cache_salt, self.lora_name)
+
+    def extend_keys(self, tokens) -> None:
+        """Hash the blocks of ``tokens`` (the whole sequence so far) completed since the last call."""
+        for chain in self.chains:
+            chain.extend(tokens)
+
+    def keys_of(self, first: int, stop: int) -> tuple[tuple[bytes, ...], ...]:
+        """Blocks ``first .. stop`` 's keys per TP rank (already hashed)."""
+        out = tuple(tuple(chain.keys[first:stop]) for chain in self.chains)
+        assert all(len(k) == stop - first for k in out), (self.req_id, first, stop, [len(c.keys) for c in self.chains])
+        return out
 
     def matched_tokens(self, num_tokens: int, local_tokens: int, block_tokens: int) -> int:
         """Tokens beyond ``local_tokens`` that can be loaded: the hit, less the
@@ -72,38 +99,39 @@ class RequestState:
         return max(0, hit_tokens - local_tokens)
 
 
-def load_op(state: RequestState, tokens, block_ids, local_tokens: int, external_tokens: int,
-            block_tokens: int) -> BlockOp | None:
-    """The load for ``external_tokens`` past ``local_tokens`` (block aligned), or None."""
+def load_range(state: RequestState, num_block_ids: int, local_tokens: int, external_tokens: int,
+               block_tokens: int) -> tuple[int, int] | None:
+    """Blocks ``(first, stop)`` of the load for ``external_tokens`` past ``local_tokens``, or None."""
     if external_tokens <= 0:
         return None
     if local_tokens % block_tokens:
         raise ValueError(f"local hit of {local_tokens} tokens is not block aligned ({block_tokens})")
     first = local_tokens // block_tokens
-    last = -(-(local_tokens + external_tokens) // block_tokens)
-    if last > len(block_ids):
-        raise ValueError(f"request {state.req_id}: load of blocks {first}..{last} but only "
-                         f"{len(block_ids)} blocks allocated")
-    return BlockOp(state.req_id, tuple(tokens[:last * block_tokens]), first, tuple(block_ids[first:last]),
-                   state.cache_salt, state.lora_name)
+    stop = -(-(local_tokens + external_tokens) // block_tokens)
+    if stop > num_block_ids:
+        raise ValueError(f"request {state.req_id}: load of blocks {first}..{stop} but only "
+                         f"{num_block_ids} blocks allocated")
+    return first, stop
 
 
-def save_op(state: RequestState, tokens, block_ids, computed_after_step: int, num_tokens: int,
-            block_tokens: int, policy: str) -> BlockOp | None:
-    """The save of the blocks this step completes, or None; advances ``saved_blocks``."""
+def save_range(state: RequestState, computed_after_step: int, num_tokens: int, block_tokens: int,
+               policy: str) -> tuple[int, int] | None:
+    """Blocks ``(first, stop)`` this step completes and the policy stores, or None;
+    advances ``saved_blocks``. vLLM has allocated every block the step computes."""
     if policy not in STORE_POLICIES:
         raise ValueError(f"store policy must be one of {STORE_POLICIES}, got {policy!r}")
     if policy == "none":
         return None
     limit = num_tokens if policy == "all" else min(num_tokens, state.prompt_len)
     full = min(computed_after_step, limit) // block_tokens
-    full = min(full, len(block_ids))
     # hit_blocks counts vLLM's local hit too: those blocks were computed by an
     # earlier request, which stored them
     start = max(state.saved_blocks, state.hit_blocks)
     if full <= start:
         return None
     state.saved_blocks = full
-    return BlockOp(state.req_id, tuple(tokens[:full * block_tokens]), start, tuple(block_ids[start:full]),
-                   state.cache_salt, state.lora_name)
+    return start, full
 
+
+def block_op(state: RequestState, first: int, block_ids, keys) -> BlockOp:
+    return BlockOp(state.req_id, first, tuple(block_ids), keys, state.cache_salt, state.lora_name)

@@ -1,0 +1,63 @@
+"""The keys an SGLang backend queued for saving lately (no framework imports, no I/O).
+
+SGLang's cache controller backs up a whole prefix again when it grows; the
+pages it already backed up need not be sent twice. Write-behind saves have no
+LOOKUP before the PUT, so the backend remembers the keys it queued, at most
+``RECENT_SAVES_MAX`` of them (the oldest are forgotten first), and skips the
+leading ones. A save that fails in the background forgets its keys, so that
+the next backup sends them again.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, wait
+from typing import Sequence
+
+RECENT_SAVES_MAX = 1 << 16  # keys remembered (about 10 MiB); older ones are sent again, which is harmless
+
+
+class RecentSaves:
+    """See the module doc; thread-safe."""
+
+    def __init__(self, keys_max: int = RECENT_SAVES_MAX) -> None:
+        if keys_max < 1:
+            raise ValueError(f"keys_max must be >= 1, got {keys_max}")
+        self.keys_max = keys_max
+        self._lock = threading.Lock()
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: set[Future] = set()
+
+    def leading(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` were queued lately."""
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self._keys:
+                self._keys.move_to_end(keys[n])
+                n += 1
+            return n
+
+    def add(self, keys: Sequence[bytes], future: Future) -> None:
+        """Remember ``keys``, queued as ``future``; forget them if it fails."""
+        with self._lock:
+            for key in keys:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+            while len(self._keys) > self.keys_max:
+                self._keys.popitem(last=False)
+            self._pending.add(future)
+        future.add_done_callback(lambda f, keys=tuple(keys): self._done(f, keys))
+
+    def _done(self, future: Future, keys: tuple[bytes, ...]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+            if future.exception() is not None:
+                for key in keys:
+                    self._keys.pop(key, None)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the saves queued so far; False on timeout."""
+        with self._lock:
+            pending = list(self._pending)
+        _, not_done = wait(pending, timeout=timeout_s)
+        return not not_done
