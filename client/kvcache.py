@@ -197,6 +197,36 @@ class KVCache:
                     out.append(None if block is None else block.clone())
             return out
 
+    def load_blocks_into(self, keys: Sequence[bytes], targets: Sequence) -> list[bool]:
+        """:meth:`load_blocks` straight into the caller's ``block_shape`` tensors (views of an
+        engine's host pool or paged cache; raw payloads on the host land with one copy, any
+        strides). Per key, whether its target now holds the block; a miss leaves it as it was."""
+        keys = list(keys)
+        if len(keys) != len(targets):
+            raise ValueError(f"{len(keys)} keys but {len(targets)} targets")
+        for i, target in enumerate(targets):
+            if tuple(target.shape) != self.layout.block_shape:
+                raise ValueError(f"target {i} has shape {tuple(target.shape)}, expected {self.layout.block_shape}")
+        done: list[bool] = []
+        scratch: list = []
+        with self._held(keys, prefix_only=False) as held:
+            for block, target in zip(held.blocks, targets):
+                if block is None:
+                    done.append(False)
+                elif not isinstance(block, _Staged):
+                    copy_tensor(target, block)
+                    done.append(True)
+                elif self.codec.name == "raw" and target.device.type == "cpu":
+                    done.append(self._decode(block.data, target))
+                else:
+                    if not scratch:
+                        scratch.append(self._empty_block())
+                    ok = self._decode(block.data, scratch[0])
+                    if ok:
+                        copy_tensor(target, scratch[0])
+                    done.append(ok)
+        return done
+
     def start_load(self, tokens, max_tokens: int | None = None) -> PrefixLoad:
         """Start loading the longest stored prefix of ``tokens`` (at most ``max_tokens``)
         and return at once with its tensors, which fill layer group by layer group

@@ -481,3 +481,23 @@ def test_a_raw_load_makes_no_block_sized_copies(daemon):
             tracemalloc.stop()
     assert loaded.num_tokens == len(tokens)
     assert peak < layout.block_raw_bytes // 8, f"{peak} bytes allocated while loading"
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_load_blocks_into_strided_targets(daemon, codec):
+    tokens = list(range(30_000, 30_032))
+    kv = make_kv(32, seed=9)
+    with KVCache(ns(f"into-{codec}", codec=codec), daemon.data_addr, hot_pool_bytes=0) as cache:
+        cache.store(tokens, kv)
+        keys = cache.keys_for(tokens) + [bytes(16)]
+        reference = cache.load_blocks(keys[:4])
+        shape = LAYOUT.block_shape
+        pool = torch.full((5, *shape[:-1], 2 * shape[-1]), -1.0, dtype=torch.float16)  # interleaved, strided views
+        targets = [pool[i, ..., 0::2] for i in range(5)]
+        assert not targets[0].is_contiguous()
+        assert cache.load_blocks_into(keys, targets) == [True, True, True, True, False]
+        for i in range(4):
+            assert torch.equal(targets[i], reference[i])
+        assert bool((pool[..., 1::2] == -1).all()) and bool((pool[4] == -1).all())  # nothing outside the targets
+        with pytest.raises(ValueError, match="targets"):
+            cache.load_blocks_into(keys, targets[:2])
