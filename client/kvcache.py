@@ -39,9 +39,9 @@ from typing import Iterator, Mapping, Sequence
 
 from kvtier.kernels import MixedCodec, get_codec
 
+from .block_decoder import BlockDecoder
 from .block_encoder import BlockEncoder, gather_block
-from .block_payload import check_kv, copy_block_into, copy_tensor, empty_kv, layers_of, torch_dtype
-from kvtier.common.blockformat import payload_of
+from .block_payload import check_kv, copy_block_into, copy_tensor, empty_kv, layers_of
 from .direct_reader import DirectReader
 from .hot_pool import HotPool
 from .prefix_load import PrefixLoad
@@ -102,6 +102,7 @@ class KVCache:
         if self.layout.layer_groups > 1 and isinstance(self.codec, MixedCodec):
             raise ValueError("the mixed codec chooses per layer of a whole block: use layer_groups=1 with it")
         self._hot = HotPool(self.layout, hot_pool_bytes, device)
+        self._decoder = BlockDecoder(self.layout, self.codec, device)
         pinned = str(device).startswith("cuda")  # engine KV in HBM: gathers DMA into page-locked send buffers
         self._encoders = [BlockEncoder(self.layout, namespace.id, self.codec, self.layout.group_layers(g), pinned)
                           for g in range(self.layout.layer_groups)]
@@ -169,11 +170,10 @@ class KVCache:
         keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
         with self._held(keys, prefix_only=True) as held:
             out = empty_kv(self.layout, len(held.blocks), self.device)
-            scratch: list = []
             n = 0
             for block in held.blocks:
                 if isinstance(block, _Staged):
-                    if not self._decode_into(block.data, out, n, scratch):
+                    if not self._decoder.decode_into_tokens(block.data, out, n):
                         break  # a payload the codec rejects ends the prefix
                 else:
                     copy_block_into(out, n, block, self.layout)
@@ -191,8 +191,8 @@ class KVCache:
             out: list = []
             for block in held.blocks:
                 if isinstance(block, _Staged):
-                    target = self._empty_block()
-                    out.append(target if self._decode(block.data, target) else None)
+                    target = self._decoder.empty_block()
+                    out.append(target if self._decoder.decode(block.data, target) else None)
                 else:
                     out.append(None if block is None else block.clone())
             return out
@@ -208,23 +208,14 @@ class KVCache:
             if tuple(target.shape) != self.layout.block_shape:
                 raise ValueError(f"target {i} has shape {tuple(target.shape)}, expected {self.layout.block_shape}")
         done: list[bool] = []
-        scratch: list = []
         with self._held(keys, prefix_only=False) as held:
             for block, target in zip(held.blocks, targets):
-                if block is None:
-                    done.append(False)
-                elif not isinstance(block, _Staged):
-                    copy_tensor(target, block)
-                    done.append(True)
-                elif self.codec.name == "raw" and target.device.type == "cpu":
-                    done.append(self._decode(block.data, target))
+                if isinstance(block, _Staged):
+                    done.append(self._decoder.decode_into(block.data, target))
                 else:
-                    if not scratch:
-                        scratch.append(self._empty_block())
-                    ok = self._decode(block.data, scratch[0])
-                    if ok:
-                        copy_tensor(target, scratch[0])
-                    done.append(ok)
+                    if block is not None:
+                        copy_tensor(target, block)
+                    done.append(block is not None)
         return done
 
     def start_load(self, tokens, max_tokens: int | None = None) -> PrefixLoad:
@@ -261,13 +252,12 @@ class KVCache:
             groups = self.layout.layer_groups
             fetch = functools.partial(self._warm.fetch, keys, True, load.transports)
             ahead = [self._group_fetches.submit(fetch, [g], count_blocks=(g == 0)) for g in range(min(2, groups))]
-            scratch: list = []
             for group in range(groups):
                 objects = ahead[group].result()
                 if group + 2 < groups:
                     ahead.append(self._group_fetches.submit(fetch, [group + 2], count_blocks=False))
                 for i, parts in enumerate(objects):
-                    if parts is None or not self._decode_into(parts, out, first + i, scratch, [group]):
+                    if parts is None or not self._decoder.decode_into_tokens(parts, out, first + i, [group]):
                         load.shorten((first + i) * self.layout.block_tokens)
                         return
                 load.group_done(group)
@@ -332,7 +322,7 @@ class KVCache:
         target = self._hot.storage[slot]
         if fresh:
             try:
-                decoded = self._decode(block, target)
+                decoded = self._decoder.decode(block, target)
             except BaseException:
                 self._hot.abort(key)  # never leave a reservation that nobody will fill
                 raise
@@ -342,48 +332,6 @@ class KVCache:
             self._hot.commit(key)
         stack.callback(self._hot.release, [key])
         return target
-
-    def _empty_block(self):
-        import torch
-
-        return torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout), device=self.device)
-
-    def _decode_into(self, objects, out, index: int, scratch: list, groups: Sequence[int] | None = None) -> bool:
-        """Decode a block's objects (its layer groups ``groups``, all by default) straight
-        into their tokens' place in ``out`` (raw payloads on the host: one copy); other
-        codecs and devices decode into a reused scratch block first."""
-        b = self.layout.block_tokens
-        groups = range(self.layout.layer_groups) if groups is None else groups
-        for group, data in zip(groups, objects):
-            layers = self.layout.group_layers(group)
-            dest = out[layers.start:layers.stop, :, 0, :, index * b:(index + 1) * b]
-            if self.codec.name == "raw" and out.device.type == "cpu":
-                if not self._decode_object(data, dest):
-                    return False
-                continue
-            if not scratch:
-                scratch.append(self._empty_block())
-            part = scratch[0][:len(layers)]
-            if not self._decode_object(data, part):
-                return False
-            copy_tensor(dest, part)
-        return True
-
-    def _decode(self, objects, out) -> bool:
-        """Decode a block's objects into ``out`` (a ``block_shape`` tensor); False (a miss)
-        for a payload the codec rejects - wrong KV never reaches the engine."""
-        for group, data in enumerate(objects):
-            layers = self.layout.group_layers(group)
-            if not self._decode_object(data, out[layers.start:layers.stop]):
-                return False
-        return True
-
-    def _decode_object(self, data, out) -> bool:
-        try:
-            self.codec.decode(payload_of(data), out)
-        except ValueError:
-            return False
-        return True
 
     # --- store ---------------------------------------------------------------
     def store(self, tokens, kv, durable: bool = False) -> int:

@@ -328,13 +328,13 @@ def test_a_decode_that_raises_leaves_no_hot_pool_reservation_behind(daemon):
     with KVCache(ns("decode-fault"), daemon.data_addr, hot_pool_bytes=0) as writer:
         assert writer.store(tokens, kv) == 2
     with KVCache(ns("decode-fault"), daemon.data_addr, hot_pool_bytes=8 * LAYOUT.block_raw_bytes) as cache:
-        real_codec = cache.codec
-        cache.codec = _FailingDecode(real_codec)
+        real_codec = cache._decoder.codec
+        cache._decoder.codec = _FailingDecode(real_codec)
         try:
             with pytest.raises(_DecodeFault):
                 cache.load(tokens)
         finally:
-            cache.codec = real_codec
+            cache._decoder.codec = real_codec
         pool = cache.statistics()
         assert pool.hot_blocks_resident == 0 and pool.hot_blocks_referenced == 0
         again = cache.load(tokens)  # the same keys decode into the pool now
