@@ -136,10 +136,60 @@ def test_times(text, value):
     ("prefix_share=1.5", "prefix_share='1.5': must be at most 1.0"),
     ("blocksize=4k", "unknown option 'blocksize'"),
     ("runtim=4", "unknown option 'runtim' (did you mean runtime?)"),
+    ("model=meta-llama/Llama-3-8B", "model='meta-llama/Llama-3-8B': not a built-in model (random-llama, "
+     "random-llama-kvheavy, random-llama-tiny) and not a directory; a path must be a local checkpoint directory"),
 ])
 def test_bad_option_values_are_named(option, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         build_jobs(list(parse_job_text(f"[a]\n{T}\n{option}\n", "x.fio")))
+
+
+@pytest.mark.parametrize("name", ["random-llama", "random-llama-kvheavy", "random-llama-tiny", ""])
+def test_builtin_models_and_local_directories_are_accepted(name, tmp_path):
+    assert build_jobs(list(parse_job_text(f"[a]\n{T}\nrw=ttft\nmodel={name}\n")))[0].model == name
+    (job,) = build_jobs(list(parse_job_text(f"[a]\n{T}\nrw=ttft\nmodel={tmp_path}\n")))
+    assert job.model == str(tmp_path)  # a directory goes to from_pretrained(local_files_only=True)
+
+
+def test_kvheavy_carries_more_kv_per_token_than_the_default():
+    from kvtier.tools.kvperf.models import builtin_config
+
+    def kv_bytes_per_token(c):
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+        return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4  # K and V, fp32
+
+    heavy, default = builtin_config("random-llama-kvheavy"), builtin_config("")
+    assert default is builtin_config("random-llama") and builtin_config("nope") is None
+    assert (kv_bytes_per_token(heavy), kv_bytes_per_token(default)) == (64 << 10, 12 << 10)
+    assert heavy["num_key_value_heads"] == heavy["num_attention_heads"]  # no GQA: every head has its KV
+
+
+def test_load_figures_from_the_mode_means():
+    from kvtier.tools.kvperf.ttftjob import load_figures
+    assert load_figures(inmemory_ms=200.0, load_ms=100.0, kvtier_ms=230.0) == {
+        "exposed_load_ms": 30.0, "load_vs_inmemory": 0.5, "exposed_vs_load": 0.3, "kvtier_vs_bound": 1.15}
+    # the load the slower of the two: the bound is the load alone
+    assert load_figures(100.0, 400.0, 300.0) == {
+        "exposed_load_ms": 200.0, "load_vs_inmemory": 4.0, "exposed_vs_load": 0.5, "kvtier_vs_bound": 0.75}
+    # no time to divide by: null in the JSON, which no gate passes
+    assert load_figures(0.0, 0.0, 5.0) == {
+        "exposed_load_ms": 5.0, "load_vs_inmemory": None, "exposed_vs_load": None, "kvtier_vs_bound": None}
+
+
+def test_gates_on_the_load_figures():
+    job = _job("t", ttft={"exposed_vs_load": 0.25, "kvtier_vs_bound": 1.2, "load_vs_inmemory": 0.6,
+                          "load_ms": {"mean": 10.0}})
+    nulls = _job("n", ttft={"exposed_vs_load": None, "kvtier_vs_bound": None})
+    res = evaluate([parse_gate("ttft_exposed_vs_load<=0.3"), parse_gate("ttft_kvtier_vs_bound<=1.1"),
+                    parse_gate("ttft.load_vs_inmemory>=30%"), parse_gate("ttft.load_ms.mean>0"),
+                    parse_gate("n:ttft.exposed_vs_load<=0.3")], [job, nulls])
+    assert [(r.gate.text, r.job, r.measured, r.passed) for r in res] == [
+        ("ttft_exposed_vs_load<=0.3", "t", 0.25, True),
+        ("ttft_kvtier_vs_bound<=1.1", "t", 1.2, False),
+        ("ttft.load_vs_inmemory>=30%", "t", 0.6, True),
+        ("ttft.load_ms.mean>0", "t", 10.0, True),
+        ("n:ttft.exposed_vs_load<=0.3", "n", None, False),
+    ]
 
 
 @pytest.mark.parametrize("options,message", [
@@ -259,6 +309,8 @@ def test_usage_errors_exit_2(capsys):
     assert run(["--output-format=xml", "--name=a"]) == EXIT_USAGE
     assert run(["--name=a", "--target=tcp://h:1", "--token_file=/nonexistent"]) == EXIT_USAGE
     assert "token_file /nonexistent" in capsys.readouterr().err
+    assert run(["--name=t", "--rw=ttft", "--target=tcp://h:1", "--model=gpt2"]) == EXIT_USAGE  # never the hub
+    assert "a path must be a local checkpoint directory" in capsys.readouterr().err
 
 
 def test_section_selects_jobs(capsys, tmp_path):
@@ -360,3 +412,12 @@ def test_verify_content_follows_the_key():
     assert "not the expected" in check_block(encode_block(b, ns, 0, pb), a, size)
     assert "payload is" in check_block(encode_block(a, ns, 0, pa[:-1]), a, size)
     assert "missing" in check_block(None, a, size)
+
+
+def test_layer_groups_option():
+    (job,) = build_jobs(list(parse_job_text("[t]\nrw=ttft\ntarget=tcp://127.0.0.1:1\nlayer_groups=4\n")))
+    assert job.layer_groups == 4
+    (default,) = build_jobs(list(parse_job_text("[t]\nrw=ttft\ntarget=tcp://127.0.0.1:1\n")))
+    assert default.layer_groups == 1
+    with pytest.raises(UsageError, match="layer_groups"):
+        build_jobs(list(parse_job_text("[t]\nrw=ttft\ntarget=tcp://127.0.0.1:1\nlayer_groups=0\n")))

@@ -214,7 +214,7 @@ def test_console_script_runs(kvtierd, tmp_path):
     assert "FAIL" in proc.stdout and proc.stderr == ""
 
 
-def test_ttft_three_modes_on_a_tiny_llama(kvtierd, capsys, tmp_path):
+def test_ttft_four_modes_on_a_tiny_llama(kvtierd, capsys, tmp_path):
     pytest.importorskip("transformers")
     png = tmp_path / "ttft.png"
     code, doc, err = kvperf_json(capsys, f"--target=tcp://{kvtierd.data_addr}", "--name=ttft", "--rw=ttft",
@@ -226,14 +226,45 @@ def test_ttft_three_modes_on_a_tiny_llama(kvtierd, capsys, tmp_path):
     t = job["ttft"]
     assert job["verify_errors"] == 0 and t["logits_max_abs_diff"] == 0.0  # raw codec: bit-exact
     assert t["cached_tokens"] == 48 and t["prompt_tokens"] == 72  # 60 rounds down to 3 blocks of 16
-    for mode in ("recompute_ms", "inmemory_ms", "kvtier_ms"):
+    for mode in ("recompute_ms", "inmemory_ms", "load_ms", "kvtier_ms"):
         assert t[mode]["N"] == 4 and "99.000000" in t[mode]["percentile"] and t[mode]["mean"] > 0
-    assert t["reduction"] == pytest.approx(1 - t["kvtier_ms"]["mean"] / t["recompute_ms"]["mean"])
-    assert t["overhead_vs_inmemory"] == pytest.approx(t["kvtier_ms"]["mean"] / t["inmemory_ms"]["mean"] - 1)
+    rec, mem, load, kv = (t[m]["mean"] for m in ("recompute_ms", "inmemory_ms", "load_ms", "kvtier_ms"))
+    assert t["reduction"] == pytest.approx(1 - kv / rec)
+    assert t["overhead_vs_inmemory"] == pytest.approx(kv / mem - 1)
+    assert t["exposed_load_ms"] == pytest.approx(kv - mem)  # may be negative on a noisy machine
+    assert t["load_vs_inmemory"] == pytest.approx(load / mem)
+    assert t["exposed_vs_load"] == pytest.approx((kv - mem) / load)
+    assert t["kvtier_vs_bound"] == pytest.approx(kv / max(mem, load))
     assert [lv["concurrency"] for lv in t["by_concurrency"]] == [1, 2]
-    assert all(lv["kvtier"]["prompts_per_s"] > 0 for lv in t["by_concurrency"])
-    assert t["warm_tier"]["hits"] >= 3 * 4  # every kvtier prompt loaded its 3 blocks from the daemon
+    for lv in t["by_concurrency"]:
+        assert all(lv[m]["prompts_per_s"] > 0 for m in ("recompute", "inmemory", "load", "kvtier"))
+        lv_mem, lv_load, lv_kv = (lv[m]["ttft_ms_mean"] for m in ("inmemory", "load", "kvtier"))
+        assert lv["exposed_load_ms"] == pytest.approx(lv_kv - lv_mem)
+        assert lv["exposed_vs_load"] == pytest.approx((lv_kv - lv_mem) / lv_load)
+        assert lv["kvtier_vs_bound"] == pytest.approx(lv_kv / max(lv_mem, lv_load))
+    # every load and kvtier prompt (4 each, and one warm-up of each) got its 3 blocks from the daemon
+    assert t["warm_tier"]["hits"] >= 3 * (4 + 1) * 2
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ttft_gates_on_the_load_figures_and_text_report(kvtierd, capsys):
+    pytest.importorskip("transformers")
+    code = run([f"--target=tcp://{kvtierd.data_addr}", "--name=t", "--rw=ttft", "--model=random-llama-tiny",
+                "--prompt_tokens=40", "--cached_tokens=32", "--concurrency=1", "--ttft_prompts=1",
+                "--gate=ttft.load_ms.N>=1", "--gate=ttft_exposed_vs_load<1e9", "--gate=ttft_kvtier_vs_bound>0"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert "load: mean=" in out and "load alone vs in-memory:" in out and "gates: 3 passed, 0 failed" in out
+
+
+def test_ttft_directory_that_is_no_checkpoint_is_a_usage_error(tmp_path):
+    pytest.importorskip("transformers")
+    from kvtier.tools.kvperf.options import JobOptions
+    from kvtier.tools.kvperf.ttftjob import build_model
+    from kvtier.tools.kvperf.units import UsageError
+
+    with pytest.raises(UsageError, match=f"model={tmp_path}: cannot load a local checkpoint directory"):
+        build_model(JobOptions(name="t", rw="ttft", model=str(tmp_path)))
 
 
 def test_smoke_job_file(kvtierd, capsys, monkeypatch):

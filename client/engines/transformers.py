@@ -61,13 +61,15 @@ def kv_layout_for(config: Any, block_tokens: int = 16, dtype: str | None = None)
 
 
 def namespace_for(model: Any, model_id: str, block_tokens: int = 16, codec: str = "raw",
-                  tenant_salt: str = "") -> Namespace:
+                  tenant_salt: str = "", layer_groups: int = 1) -> Namespace:
     """A namespace for ``model`` (its KV layout from the config, its dtype
     from its parameters). ``model_id`` must pin the weights (a name and
     revision, a checkpoint digest): KV from other weights is not interchangeable."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return Namespace(model=model_id, layout=kv_layout_for(model.config, block_tokens, dtype), codec=codec,
-                     tenant_salt=tenant_salt)
+    layout = kv_layout_for(model.config, block_tokens, dtype)
+    if layer_groups != 1:
+        layout = KVLayout(**{**layout.__dict__, "layer_groups": layer_groups})
+    return Namespace(model=model_id, layout=layout, codec=codec, tenant_salt=tenant_salt)
 
 
 def cache_from_layers(layers) -> Any:

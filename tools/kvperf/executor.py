@@ -75,9 +75,9 @@ def preflight(job: JobOptions) -> None:
 def _run_ttft_job(job: JobOptions, show_progress: bool) -> JobResult:
     """ttft runs in this process: the model and torch's threads stay in one place."""
     from .result import CloneLog
-    from .ttftjob import run_ttft
+    from .ttftjob import MODES, run_ttft
 
-    total = float(sum(max(job.ttft_prompts, c) for c in job.concurrency) * 3)
+    total = float(sum(max(job.ttft_prompts, c) for c in job.concurrency) * len(MODES))
     done = [0]
     with ProgressLine(show_progress, job.name, total, "prompts", 0.0) as line:
         def progress(n: int) -> None:

@@ -7,7 +7,7 @@ Syntax: ``[JOB:]PATH OP VALUE``, e.g. ``read.bw_bytes>=1.5e9``,
   (``"99.000000"``) is matched whole, and a bare percentile (``99``, ``99.9``)
   means fio's key for it. Short names: ``read_bw``, ``write_bw``,
   ``read_iops``, ``write_iops``, ``read_p99``, ``write_p99``, ``hit_ratio``,
-  ``ttft_reduction``.
+  ``ttft_reduction``, ``ttft_exposed_vs_load``, ``ttft_kvtier_vs_bound``.
 - OP is one of ``>= <= > < == !=``.
 - VALUE is a number with an optional size suffix (``4g``, ``4GiB``, base 1024),
   ``/s``, or ``%`` (divided by 100).
@@ -39,6 +39,8 @@ ALIASES = {
     "write_p99": "write.clat_ns.percentile.99.000000",
     "hit_ratio": "prefix.hit_ratio",
     "ttft_reduction": "ttft.reduction",
+    "ttft_exposed_vs_load": "ttft.exposed_vs_load",
+    "ttft_kvtier_vs_bound": "ttft.kvtier_vs_bound",
 }
 ROOTS = ("read", "write", "lookup", "prefix", "ttft", "error", "job_runtime", "verify_errors")
 

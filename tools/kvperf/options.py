@@ -16,6 +16,7 @@ from kvtier.common.codec_ids import codec_id
 
 from .ioengines import IOENGINES
 from .jobfile import RawJob
+from .models import BUILTIN_MODELS, parse_model
 from .units import (UsageError, parse_bool, parse_float, parse_int, parse_int_list,
                     parse_time_s)
 
@@ -122,6 +123,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     _o("lookup_keys", lambda o, t: parse_int(o, t, 1, LOOKUP_KEYS_MAX), "keys per LOOKUP chain (rw=lookup)"),
     _o("prompt_tokens", lambda o, t: parse_int(o, t, 1, PROMPT_TOKENS_MAX), "tokens per prompt (prefix, ttft)"),
     _o("block_tokens", lambda o, t: parse_int(o, t, 1, 65536), "tokens per block (prefix)"),
+    _o("layer_groups", lambda o, t: parse_int(o, t, 1, 1024),
+       "objects per block, one per group of layers, loaded layer group by group (ttft)"),
     _o("prefix_share", lambda o, t: parse_float(o, t, 0.0, 1.0),
        "fraction of each prompt that is shared content: system prompt + document (prefix)"),
     _o("prefix_systems", lambda o, t: parse_int(o, t, 1, 1 << 20), "number of distinct system prompts"),
@@ -129,7 +132,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     _o("prefix_requests", lambda o, t: parse_int(o, t, 1, 1 << 30), "requests per clone (prefix)"),
     _o("random_distribution", _distribution, "popularity of shared content: zipf:THETA or random"),
     _o("trace", _text, "JSON-lines trace of token-id lists to replay (prefix)"),
-    _o("model", _path_or_empty, "ttft: random-llama (built in code, the default), random-llama-tiny, or a local model directory"),
+    _o("model", parse_model, f"ttft: a built-in random-weight Llama ({', '.join(BUILTIN_MODELS)}; "
+       "random-llama is the default) or a local checkpoint directory"),
     _o("cached_tokens", lambda o, t: parse_int(o, t, 0, PROMPT_TOKENS_MAX), "ttft: tokens of each prompt stored"),
     _o("concurrency", lambda o, t: parse_int_list(o, t, 1), "ttft: concurrency levels, e.g. 1,8,16"),
     _o("ttft_device", _device, "ttft: torch device of the model and the KV (cpu, cuda, cuda:1)"),
@@ -167,6 +171,7 @@ class JobOptions:
     lookup_keys: int = 1024
     prompt_tokens: int = 2048
     block_tokens: int = 16
+    layer_groups: int = 1
     prefix_share: float = 0.75
     prefix_systems: int = 8
     prefix_docs: int = 64

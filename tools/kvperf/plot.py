@@ -1,5 +1,5 @@
 """``--plot FILE.png``: bandwidth over time and latency CDF per job and
-direction; for ttft jobs, TTFT by concurrency for the three modes.
+direction; for ttft jobs, TTFT (and the load alone) by concurrency for each mode.
 matplotlib with the Agg backend (no display needed)."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 from .options import JobOptions
 from .result import JobResult
 from .stats import bw_series
+from .ttftjob import MODES as TTFT_MODES
 from .units import UsageError
 
 PLOT_DPI = 110
@@ -79,10 +80,12 @@ def _plot_ttft(axes, ttft) -> None:
         levels = report["ttft"]["by_concurrency"]
         conc = [lv["concurrency"] for lv in levels]
         levels_seen.update(conc)
-        for mode in ("recompute", "inmemory", "kvtier"):
-            ax_t.plot(conc, [lv[mode]["ttft_ms_mean"] for lv in levels], marker="o", label=f"{job.name} {mode}")
-            ax_p.plot(conc, [lv[mode]["prompts_per_s"] for lv in levels], marker="o", label=f"{job.name} {mode}")
-    ax_t.set(title="TTFT by concurrency", xlabel="concurrent prompts", ylabel="mean TTFT (ms)")
+        for mode in TTFT_MODES:
+            style = dict(marker="o", label=f"{job.name} {mode}" + (" alone (no model)" if mode == "load" else ""),
+                         linestyle="--" if mode == "load" else "-")
+            ax_t.plot(conc, [lv[mode]["ttft_ms_mean"] for lv in levels], **style)
+            ax_p.plot(conc, [lv[mode]["prompts_per_s"] for lv in levels], **style)
+    ax_t.set(title="TTFT (and the load alone) by concurrency", xlabel="concurrent prompts", ylabel="mean (ms)")
     ax_p.set(title="throughput by concurrency", xlabel="concurrent prompts", ylabel="prompts/s")
     for ax in (ax_t, ax_p):
         ax.grid(True, alpha=0.3)

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+from .ttftjob import MODES as TTFT_MODES
 from .units import format_bytes_iec, format_bytes_si
 
 PERCENTILES_PER_LINE = 4
@@ -83,17 +84,24 @@ def job_lines(job: dict, rw: str) -> list[str]:
 
 def ttft_lines(t: dict) -> list[str]:
     lines = [f"  ttft: model={t['model']}, prompt={t['prompt_tokens']} tokens, cached={t['cached_tokens']} tokens"]
-    for mode in ("recompute_ms", "inmemory_ms", "kvtier_ms"):
-        s = t[mode]
-        lines.append(f"    {mode[:-3]:>9}: mean={s['mean']:.2f} ms, p50={s['percentile']['50.000000']:.2f} ms, "
+    for mode in TTFT_MODES:
+        s = t[f"{mode}_ms"]
+        lines.append(f"    {mode:>9}: mean={s['mean']:.2f} ms, p50={s['percentile']['50.000000']:.2f} ms, "
                      f"p99={s['percentile']['99.000000']:.2f} ms")
     lines.append(f"    reduction vs recompute: {t['reduction'] * 100:.1f}%, "
                  f"overhead vs in-memory: {t['overhead_vs_inmemory'] * 100:+.1f}%")
+    lines.append(f"    load alone vs in-memory: {_times(t['load_vs_inmemory'])}, exposed load: "
+                 f"{t['exposed_load_ms']:.2f} ms ({_times(t['exposed_vs_load'])} the load alone), "
+                 f"kvtier vs max(in-memory, load): {_times(t['kvtier_vs_bound'])}")
     for level in t["by_concurrency"]:
         lines.append(f"    concurrency {level['concurrency']:>3}: " + ", ".join(
             f"{m} {level[m]['ttft_ms_mean']:.1f} ms / {level[m]['prompts_per_s']:.2f} prompts/s"
-            for m in ("recompute", "inmemory", "kvtier")))
+            for m in TTFT_MODES))
     return lines
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def group_status(jobs: list[dict]) -> list[str]:

@@ -1,20 +1,28 @@
 """The ttft workload: time to first token with and without kvtier, on a real model.
 
 For each prompt (``prompt_tokens`` long, of which the first ``cached_tokens``
--- rounded down to whole blocks -- were stored beforehand), three modes::
+-- rounded down to whole blocks -- were stored beforehand), four modes::
 
     recompute  model(prompt)                                     full prefill
     inmemory   model(suffix, cache=DynamicCache(prefix KV))      the ideal: KV already in memory
+    load       KVCache.load(prompt)                              the load alone: fetch and decode, no model
     kvtier     lookup + load prefix from the daemon + model(suffix)   (kvtier.client.engines.transformers)
+
+and, from their means, what a pipelined load is judged by::
+
+    exposed_load_ms   = kvtier - inmemory          the part of the load that TTFT still waits for
+    load_vs_inmemory  = load / inmemory            how much the load matters on this model and machine
+    exposed_vs_load   = exposed_load_ms / load     0: fully hidden behind the prefill, 1: not at all
+    kvtier_vs_bound   = kvtier / max(inmemory, load)   1: as fast as the slower of the two alone
 
 Each concurrency level (``concurrency=1,8,16``) runs ``max(ttft_prompts,
 level)`` prompts per mode with ``level`` of them in flight (threads), and
-reports mean/p99 TTFT and prompts/s. Prompts differ from each other and the
-hot pool is off, so every kvtier load comes from the daemon. The model is
-the small random-weight Llama built here (no download; ``model=random-llama``,
-the default, or ``model=random-llama-tiny`` for smoke tests) unless ``model=``
-names a local checkpoint directory. With ``verify``, the kvtier logits must equal the
-in-memory ones exactly (raw codec) and every stored block must load.
+reports mean/p99 times and prompts/s. Prompts differ from each other and the
+hot pool is off, so every load comes from the daemon. The model is one of the
+random-weight Llamas of :mod:`.models` (no download) unless ``model=`` names
+a local checkpoint directory. With ``verify`` and the raw codec, the kvtier
+logits must equal the in-memory ones and the KV loaded alone the stored KV,
+exactly; every stored block must load.
 """
 from __future__ import annotations
 
@@ -25,21 +33,30 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .models import builtin_config
 from .options import JobOptions
 from .result import ConnectError
 from .stats import ms_stats
 from .targets import Targets
 from .units import UsageError
 
-# the built-in model: a Llama small enough for a CPU, big enough that prefill costs real time
-RANDOM_LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192)
-RANDOM_LLAMA_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-BUILTIN_MODELS = {"": RANDOM_LLAMA, "random-llama": RANDOM_LLAMA, "random-llama-tiny": RANDOM_LLAMA_TINY}
 RANDOM_LLAMA_SEED = 0
 WARMUP_PROMPTS = 1  # untimed runs of each mode first: torch's first call allocates and picks kernels
-MODES = ("recompute", "inmemory", "kvtier")
+MODES = ("recompute", "inmemory", "load", "kvtier")
+
+
+def _ratio(num: float, den: float) -> float | None:
+    """None (JSON null, which no gate passes) where the denominator is not a time."""
+    return num / den if den > 0 else None
+
+
+def load_figures(inmemory_ms: float, load_ms: float, kvtier_ms: float) -> dict:
+    """What a pipelined load is judged by, from the modes' mean times (ms)."""
+    exposed_ms = kvtier_ms - inmemory_ms
+    return {"exposed_load_ms": exposed_ms,
+            "load_vs_inmemory": _ratio(load_ms, inmemory_ms),
+            "exposed_vs_load": _ratio(exposed_ms, load_ms),
+            "kvtier_vs_bound": _ratio(kvtier_ms, max(inmemory_ms, load_ms))}
 
 
 def build_model(job: JobOptions):
@@ -47,13 +64,13 @@ def build_model(job: JobOptions):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    if job.model not in BUILTIN_MODELS:
+    config = builtin_config(job.model)
+    if config is None:  # the option parser let only a directory through
         try:
             model = AutoModelForCausalLM.from_pretrained(job.model, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise UsageError(f"model={job.model}: cannot load a local model: {e}") from None
+            raise UsageError(f"model={job.model}: cannot load a local checkpoint directory: {e}") from None
         return model.eval(), f"local:{job.model}"
-    config = BUILTIN_MODELS[job.model]
     torch.manual_seed(RANDOM_LLAMA_SEED)
     model = LlamaForCausalLM(LlamaConfig(**config)).eval()
     name = job.model or "random-llama"
@@ -79,6 +96,7 @@ class TtftBench:
         self.prefix_tokens = (job.cached_tokens // job.block_tokens) * job.block_tokens
         self.cache = self._open_cache(targets, token)
         self.prompts = self._prompts(max([job.ttft_prompts, *job.concurrency]))
+        self.prompt_token_lists = [ids[0].tolist() for ids in self.prompts]
         self.prefix_kv: list = []
         self.verify_errors = 0
         self.verify_messages: list[str] = []
@@ -91,7 +109,8 @@ class TtftBench:
 
         codec = "raw" if self.job.codec == "opaque" else self.job.codec
         ns = namespace_for(self.model, self.model_id, self.job.block_tokens, codec=codec,
-                           tenant_salt=f"kvperf:{self.job.keyspace}:{self.job.seed}")
+                           tenant_salt=f"kvperf:{self.job.keyspace}:{self.job.seed}",
+                           layer_groups=self.job.layer_groups)
         addrs = [t.addr for t in targets.tcp]
         device_map, transport = None, "tcp"
         try:
@@ -146,6 +165,15 @@ class TtftBench:
             elapsed = (time.perf_counter() - t0) * 1e3
             self._ideal_logits[i] = out.logits[:, -1]
             return elapsed
+        if mode == "load":
+            tokens = self.prompt_token_lists[i]
+            t0 = time.perf_counter()
+            loaded = self.cache.load(tokens, max_tokens=len(tokens) - 1)
+            layers = list(loaded.layers)
+            self._sync(None)
+            elapsed = (time.perf_counter() - t0) * 1e3
+            self._check_load(i, loaded.num_tokens, layers)
+            return elapsed
         t0 = time.perf_counter()
         result = prefill(self.model, ids, self.cache, store=False)
         self._sync(result.logits)
@@ -158,10 +186,23 @@ class TtftBench:
         if self.device.startswith("cuda"):
             self.torch.cuda.synchronize()
 
-    def _check(self, i: int, result) -> None:
-        if result.loaded_tokens != self.prefix_tokens:
-            self._verify_error(f"prompt {i}: loaded {result.loaded_tokens} of the {self.prefix_tokens} "
+    def _check_tokens(self, i: int, mode: str, loaded_tokens: int) -> None:
+        if loaded_tokens != self.prefix_tokens:
+            self._verify_error(f"prompt {i}: {mode} loaded {loaded_tokens} of the {self.prefix_tokens} "
                                "stored tokens (a miss of blocks this run stored)")
+
+    def _check_load(self, i: int, loaded_tokens: int, layers: list) -> None:
+        self._check_tokens(i, "load", loaded_tokens)
+        if not (self.job.verify and self.cache.namespace.codec == "raw") or loaded_tokens != self.prefix_tokens:
+            return
+        torch = self.torch
+        for n, ((k, v), (k0, v0)) in enumerate(zip(layers, self.prefix_kv[i], strict=True)):
+            if not (torch.equal(k, k0) and torch.equal(v, v0)):
+                self._verify_error(f"prompt {i}: layer {n} of the KV loaded alone differs from the KV stored")
+                return
+
+    def _check(self, i: int, result) -> None:
+        self._check_tokens(i, "kvtier", result.loaded_tokens)
         ideal = self._ideal_logits.get(i)
         if ideal is None:
             return
@@ -191,6 +232,7 @@ class TtftBench:
                          "prompts_per_s": count / wall_s}
         out["throughput_gain"] = out["kvtier"]["prompts_per_s"] / out["recompute"]["prompts_per_s"] - 1.0
         out["ttft_reduction"] = 1.0 - out["kvtier"]["ttft_ms_mean"] / out["recompute"]["ttft_ms_mean"]
+        out.update(load_figures(*(out[m]["ttft_ms_mean"] for m in ("inmemory", "load", "kvtier"))))
         return out, samples
 
     def run(self) -> dict:
@@ -206,7 +248,7 @@ class TtftBench:
             for m in MODES:
                 all_samples[m] += samples[m]
         stats = {f"{m}_ms": ms_stats(all_samples[m]) for m in MODES}
-        rec, mem, kv = (stats[f"{m}_ms"]["mean"] for m in MODES)
+        rec, mem, load, kv = (stats[f"{m}_ms"]["mean"] for m in MODES)
         warm = self.cache.statistics().as_dict().get("warm", {})
         return {
             "model": self.model_id,
@@ -216,6 +258,7 @@ class TtftBench:
             **stats,
             "reduction": 1.0 - kv / rec if rec else 0.0,
             "overhead_vs_inmemory": kv / mem - 1.0 if mem else 0.0,
+            **load_figures(mem, load, kv),
             "by_concurrency": levels,
             "logits_max_abs_diff": self.logits_diff_max,
             "warm_tier": warm,
