@@ -15,6 +15,10 @@ The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
     log_level = "info"
     max_connections = 1024
     frame_timeout = 30.0        # seconds a peer may stall mid-frame
+    cluster = "etcd://127.0.0.1:2379/kvtier"   # join a cluster (omit: a standalone node)
+    advertise = "10.0.0.5:7410" # the data address clients dial (default: listen's)
+    node_id = "node-a"          # default: made once and kept in data_dir/node-id
+    lease_ttl = 5               # seconds a dead node stays a member (2..300)
 
 An unknown or ill-typed key is an error that names it. Pure: parses, does no I/O
 beyond reading the config file it is pointed at.
@@ -28,6 +32,8 @@ import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 
 from kvtier.common.addresses import AddressError, parse_address
+from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, check_node_id, parse_cluster_url
+from kvtier.daemon.cluster.lease_keeper import LEASE_TTL_S_DEFAULT, LEASE_TTL_S_MAX, LEASE_TTL_S_MIN
 from kvtier.daemon.engine.config import REGION_SIZE_DEFAULT_BYTES, STRIPE_SIZE_DEFAULT_BYTES
 from kvtier.daemon.engine.eviction import EVICTION_POLICIES
 from kvtier.daemon.engine.index import HITS_MAX
@@ -96,6 +102,10 @@ class DaemonConfig:
     log_level: str = "info"
     max_connections: int = 1024
     frame_timeout_s: float = 30.0
+    cluster: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX
+    advertise: str | None = None
+    node_id: str | None = None
+    lease_ttl_s: int = LEASE_TTL_S_DEFAULT
     format: bool = False
     force: bool = False
     config_file: str | None = None
@@ -118,6 +128,40 @@ class DaemonConfig:
             raise ConfigError(f"listen: refusing to bind non-loopback address {host!r} without token_file")
         if self.admin != "none" and self.token_file is None and not is_loopback(self.admin_address[0]):
             raise ConfigError(f"admin: refusing to bind non-loopback address {self.admin!r} without token_file")
+        self._check_cluster(host)
+
+    def _check_cluster(self, listen_host: str) -> None:
+        if self.cluster is None:
+            for name in ("advertise", "node_id"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name}: only makes sense with cluster (etcd://HOST:PORT/PREFIX)")
+            return
+        self.cluster_url  # parses or raises
+        if self.advertise is not None and self.advertise_address[1] == 0:
+            raise ConfigError(f"advertise: {self.advertise!r} has port 0; give the port clients dial")
+        if self.advertise is None and listen_host in ("0.0.0.0", "::"):
+            raise ConfigError(f"cluster: listen {self.listen!r} is a wildcard; set advertise to the address "
+                              "clients dial")
+        if self.node_id is not None:
+            try:
+                check_node_id(self.node_id)
+            except ClusterUrlError as exc:
+                raise ConfigError(f"node_id: {exc}") from None
+        if isinstance(self.lease_ttl_s, bool) or not LEASE_TTL_S_MIN <= self.lease_ttl_s <= LEASE_TTL_S_MAX:
+            raise ConfigError(f"lease_ttl: {self.lease_ttl_s} s is outside {LEASE_TTL_S_MIN}..{LEASE_TTL_S_MAX}")
+
+    @property
+    def cluster_url(self) -> ClusterUrl | None:
+        if self.cluster is None:
+            return None
+        try:
+            return parse_cluster_url(self.cluster, what="cluster")
+        except ClusterUrlError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def advertise_address(self) -> tuple[str, int] | None:
+        return None if self.advertise is None else parse_listen_address(self.advertise, "advertise")
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -199,6 +243,10 @@ _TOML_KEYS = {
     "log_level": ("log_level", _str("log_level")),
     "max_connections": ("max_connections", _int("max_connections")),
     "frame_timeout": ("frame_timeout_s", _seconds),
+    "cluster": ("cluster", _str("cluster")),
+    "advertise": ("advertise", _str("advertise")),
+    "node_id": ("node_id", _str("node_id")),
+    "lease_ttl": ("lease_ttl_s", _int("lease_ttl")),
 }
 assert {v[0] for v in _TOML_KEYS.values()} <= {f.name for f in fields(DaemonConfig)}
 
@@ -241,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", choices=LOG_LEVELS)
     ap.add_argument("--max-connections", type=int, help="open data connections allowed (default 1024)")
     ap.add_argument("--frame-timeout", type=float, help="seconds a client may stall mid-frame (default 30)")
+    ap.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
+                    help="join the cluster whose membership lives in this etcd (default: standalone)")
+    ap.add_argument("--advertise", metavar="HOST:PORT", help="data address registered for clients (default: listen's)")
+    ap.add_argument("--node-id", help="this node's id in the cluster (default: made once, kept in the data dir)")
+    ap.add_argument("--lease-ttl", type=int, metavar="SECONDS",
+                    help=f"etcd lease TTL: a killed node leaves within this (default {LEASE_TTL_S_DEFAULT})")
     ap.add_argument("--format", action="store_true", help="format the devices, then serve")
     ap.add_argument("--force", action="store_true", help="with --format: overwrite an existing store")
     return ap
@@ -258,6 +312,8 @@ def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
         "eviction": ("eviction", str), "reinsert_hits": ("reinsert_hits", int), "listen": ("listen", str), "admin": ("admin", str),
         "token_file": ("token_file", str), "log_level": ("log_level", str),
         "max_connections": ("max_connections", int), "frame_timeout": ("frame_timeout_s", float),
+        "cluster": ("cluster", str), "advertise": ("advertise", str), "node_id": ("node_id", str),
+        "lease_ttl": ("lease_ttl_s", int),
     }
     for arg, (field_name, conv) in flag_map.items():
         value = getattr(args, arg)

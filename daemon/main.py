@@ -4,7 +4,8 @@ Opens (formatting on first run) the engine, serves the data protocol and, unless
 ``--admin none``, the admin HTTP API; prints ``kvtierd ready data=HOST:PORT
 [admin=HOST:PORT]`` and sends READY=1 to systemd. Signals:
 
-- SIGTERM / SIGINT: stop accepting, finish in-flight requests, seal and sync, exit 0.
+- SIGTERM / SIGINT: leave the cluster (``--cluster``: delete the member key, revoke the
+  lease), stop accepting, finish in-flight requests, seal and sync, exit 0.
 - SIGHUP: re-read the config file's log level and token file; connections stay.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Daemon:
         self._reload_requested = False
         self.state: DaemonState | None = None
         self._admin = None
+        self._cluster = None  # a kvtier.daemon.cluster.ClusterMember with --cluster
 
     def start(self) -> str:
         """Open the store and start serving; returns the ready line."""
@@ -76,7 +78,12 @@ class Daemon:
                 self._admin = AdminServer(state, *self.cfg.admin_address)
                 state.admin_address = tuple(self._admin.start())
                 line += f" admin={format_address(*state.admin_address[:2])}"
+            if self.cfg.cluster is not None:
+                self._cluster = _join_cluster(self.cfg, state)
+                state.cluster = self._cluster  # the admin view's cluster figures read it
         except BaseException:
+            if self._admin is not None:
+                self._admin.stop()
             if self.state is not None and self.state.data_server is not None:
                 self.state.data_server.stop()
             engine.close()
@@ -139,6 +146,8 @@ class Daemon:
         state = self.state
         state.set_ready(False)
         log.info("event=stopping")
+        if self._cluster is not None:
+            self._cluster.stop()  # clients stop routing here before the data port closes
         state.data_server.stop()
         if self._admin is not None:
             self._admin.stop()
@@ -150,6 +159,15 @@ class Daemon:
             return False
         log.info("event=stopped uptime_s=%.1f", state.uptime_s)
         return True
+
+
+def _join_cluster(cfg: DaemonConfig, state: DaemonState):
+    """Register under ``cfg.cluster``; ClusterError (exit 1) names the URL when etcd does not
+    answer, or the extra to install when etcd3gw is missing."""
+    from kvtier.daemon.cluster import join_cluster
+    return join_cluster(cfg.cluster_url, data_dir=cfg.data_dir, data_address=state.data_address,
+                        admin_address=state.admin_address, advertise=cfg.advertise_address,
+                        node_id=cfg.node_id, lease_ttl_s=cfg.lease_ttl_s)
 
 
 def _admin_server_class():

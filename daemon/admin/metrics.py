@@ -66,6 +66,7 @@ class KvtierCollector(Collector):
         yield from self._engine(engine)
         yield from self._tiers(engine, server)
         yield from self._server(server)
+        yield from _cluster_families(self._view.cluster_statistics())
 
     def _process(self, engine: dict) -> Iterable[Metric]:
         yield GaugeMetricFamily("kvtier_ready", "1 once devices are open and the index is recovered.",
@@ -147,6 +148,33 @@ def _server_families(server: dict) -> Iterable[Metric]:
         buckets = [(_le(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
         latency.add_metric([op], buckets, sum_value=hist["sum_s"])
     yield latency
+
+
+# (membership statistics field, metric name, family, help) — with --cluster only
+_CLUSTER_FIGURES = (
+    ("members_seen", "kvtier_cluster_members_seen", GaugeMetricFamily,
+     "Members under the cluster prefix in etcd at the last keepalive (-1 before one)."),
+    ("lease_ttl_s", "kvtier_cluster_lease_ttl_seconds", GaugeMetricFamily, "TTL of this node's etcd lease."),
+    ("registrations", "kvtier_cluster_registrations", CounterMetricFamily,
+     "Leases granted and member records put, the first included."),
+    ("re_registrations", "kvtier_cluster_re_registrations", CounterMetricFamily,
+     "Registrations after the first: the lease had expired (etcd away longer than its TTL)."),
+    ("keepalives", "kvtier_cluster_keepalives", CounterMetricFamily, "Lease keepalives etcd answered."),
+    ("etcd_errors", "kvtier_cluster_etcd_errors", CounterMetricFamily,
+     "etcd requests no endpoint answered (the node serves on meanwhile)."),
+)
+
+
+def _cluster_families(cluster: dict) -> Iterable[Metric]:
+    """This node's cluster membership: registered or not, members seen, etcd errors."""
+    if not cluster:
+        return
+    member = GaugeMetricFamily("kvtier_cluster_registered", "1 while this node's member key is live in etcd.",
+                               labels=["node_id", "state"])
+    member.add_metric([cluster["node_id"], cluster["state"]], 1.0 if cluster["state"] == "registered" else 0.0)
+    yield member
+    for field, name, family, help_text in _CLUSTER_FIGURES:
+        yield family(name, help_text, value=cluster[field])
 
 
 # (request-buffer statistics field, metric name, family, help)

@@ -87,5 +87,10 @@ class AdminStateView:
                         for i, (dev, path) in enumerate(zip(geometry.device_ids, paths))],
         }
 
+    def cluster_statistics(self) -> dict:
+        """The cluster membership's snapshot (``--cluster``); empty for a standalone node."""
+        member = getattr(self._state, "cluster", None)  # set by the entry point once registered
+        return {} if member is None else _as_dict(member.statistics())
+
     def redacted_config(self) -> dict:
         return _as_dict(self._state.config.redacted())
