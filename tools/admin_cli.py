@@ -12,6 +12,7 @@
     lookup|pin|unpin (KEY... | --namespace NS.json --tokens LIST|@FILE)
     evict (KEY... | --namespace-id HEX | --namespace NS.json | --all)
     config                         the daemon's effective config (secrets redacted)
+    cluster status [--cluster etcd://HOST:PORT/PREFIX]   members, leases, per-node figures
     fsck  [--device P]... [--repair]   offline: scan a STOPPED store's regions
     format [--device P]... [--force]   offline: write a new, empty store
 
@@ -303,6 +304,25 @@ def cmd_evict(args) -> int:
     return EXIT_OK
 
 
+def cmd_cluster_status(args) -> int:
+    from kvtier.tools.cluster_cli import ClusterCliError, cluster_status, render_cluster_status
+    url = args.cluster or os.environ.get("KVTIER_CLUSTER") or _config_settings(args).get("cluster")
+    if not url:
+        raise UsageError("cluster status needs --cluster etcd://HOST:PORT/PREFIX (or $KVTIER_CLUSTER, "
+                         "or cluster in the config file)")
+    token = args.token or os.environ.get("KVTIER_TOKEN")
+    token_file = args.token_file or os.environ.get("KVTIER_TOKEN_FILE")
+    if token is None and token_file:
+        token = read_token_file(token_file)
+    try:
+        doc = cluster_status(url, token)
+    except ClusterCliError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _emit(args, doc, render_cluster_status(doc))
+    return EXIT_OK
+
+
 def cmd_fsck(args) -> int:
     from kvtier.tools.admin_fsck import run_fsck
 
@@ -378,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--namespace", metavar="NS.json", help="every block of this namespace (fields as JSON)")
     sp.add_argument("--all", action="store_true", help="every block")
     sp.set_defaults(fn=cmd_evict)
+    sp = sub.add_parser("cluster", help="the cluster's members in etcd")
+    csub = sp.add_subparsers(dest="cluster_command", required=True, metavar="CLUSTER_COMMAND")
+    cp = csub.add_parser("status", help="members, addresses, lease TTLs and per-node figures")
+    cp.add_argument("--cluster", metavar="etcd://HOST:PORT/PREFIX", help="the cluster's etcd URL")
+    cp.set_defaults(fn=cmd_cluster_status)
     sp = sub.add_parser("fsck", help="offline check of a stopped store")
     _add_store(sp)
     sp.add_argument("--repair", action="store_true", help="drop bad entries")

@@ -1,7 +1,9 @@
 """Connections to a job's targets: one client per daemon (see
 :mod:`.ioengines`), checked with a PING before the clock starts, and an
 optional direct reader. A key goes to the daemon that owns it by the rule
-engines use (:mod:`kvtier.client.routing`)."""
+engines use (:mod:`kvtier.client.routing`): over the ``HOST:PORT`` names of a
+target list, over the node ids of a cluster's members (``etcd://``, read once
+when the job connects: a member that joins or leaves mid-run is not followed)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvtier.client.cluster_members import ClusterUnavailable, MemberView, open_members
 from kvtier.client.routing import Rendezvous
 
 from .ioengines import make_client
@@ -30,15 +33,19 @@ class Connections:
         self.token = token
         self.pool_size = max(1, min(iodepth, POOL_SIZE_MAX))
         self.clients: list = []  # clients[i] talks to routing.members[i]
-        self.routing = Rendezvous([t.addr for t in targets.tcp])
+        self.addrs = [t.addr for t in targets.tcp]  # for a cluster, its members' addresses once connected
+        self.routing = Rendezvous(self.addrs) if targets.cluster is None else None
         self.direct = None  # a kvtier.client.direct_reader.DirectReader when target=direct:
 
     async def __aenter__(self) -> "Connections":
+        if self.targets.cluster is not None:
+            view = await asyncio.to_thread(_read_members, self.targets.cluster.text)
+            self.routing, self.addrs = view.rendezvous(), list(view.addresses)
         where = "?"
         try:
-            for t in self.targets.tcp:
-                where = t.addr
-                client = make_client(self.ioengine, t.addr, self.token, self.pool_size, REQUEST_TIMEOUT_S,
+            for addr in self.addrs:
+                where = addr
+                client = make_client(self.ioengine, addr, self.token, self.pool_size, REQUEST_TIMEOUT_S,
                                      self.iodepth)
                 self.clients.append(client)
                 await asyncio.wait_for(client.ping(), CONNECT_TIMEOUT_S)
@@ -79,6 +86,21 @@ class Connections:
     def by_owner(self, keys: Sequence[bytes]) -> list[tuple[object, list[int]]]:
         """(client, ascending positions in ``keys`` of the keys its daemon owns) per owner."""
         return [(self.clients[t], idx) for t, idx in self.routing.groups(keys).items()]
+
+
+def _read_members(url: str) -> MemberView:
+    """The cluster's live members now; ConnectError when etcd does not answer or lists none."""
+    try:
+        members = open_members(url)
+    except ClusterUnavailable as e:
+        raise ConnectError(f"cannot use target {url}: {e}") from e
+    try:
+        view = members.current()
+    finally:
+        members.close()
+    if not view.members:
+        raise ConnectError(f"cannot use target {url}: the cluster has no live members")
+    return view
 
 
 def _describe(e: BaseException) -> str:

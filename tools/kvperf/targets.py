@@ -7,6 +7,9 @@
   (the NVMe-oF path) after a LOOKUP for their locations; writes and lookups go
   over TCP. MAP is ``ID=PATH,ID=PATH`` (daemon device id to local path), or
   just ``PATH,PATH`` in the daemon's device order.
+- ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX``: the live members of a kvtier cluster
+  (``kvtierd --cluster``), read from etcd when the job connects; each key goes to its
+  owner by rendezvous hashing over the members' node ids, as cluster clients route.
 - ``token_file``: the daemon's shared token, read once and never printed.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.common.addresses import AddressError, format_address, parse_address
+from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, is_cluster_url, parse_cluster_url
 from kvtier.common.tokens import TokenFileError, read_token_file
 
 from .units import UsageError
@@ -53,14 +57,16 @@ class DirectMap:
 
 @dataclass(frozen=True)
 class Targets:
-    tcp: tuple[TcpTarget, ...]
+    tcp: tuple[TcpTarget, ...]  # empty for a cluster: its members are read when the job connects
     direct: DirectMap | None = None
+    cluster: ClusterUrl | None = None
 
 
 def _tcp(text: str) -> TcpTarget:
     body = text[len("tcp://"):] if text.startswith("tcp://") else None
     if body is None:
-        raise UsageError(f"target {text!r}: expected tcp://HOST:PORT or direct:MAP@tcp://HOST:PORT")
+        raise UsageError(f"target {text!r}: expected tcp://HOST:PORT, etcd://HOST:PORT/PREFIX "
+                         "or direct:MAP@tcp://HOST:PORT")
     try:
         host, port = parse_address(body, what=f"target {text!r}")
     except AddressError as exc:
@@ -86,6 +92,11 @@ def parse_targets(text: str) -> Targets:
         else:
             dmap = DirectMap(None, tuple(items))
         return Targets((_tcp(tcp.strip()),), dmap)
+    if is_cluster_url(text):
+        try:
+            return Targets((), cluster=parse_cluster_url(text, what="target"))
+        except ClusterUrlError as exc:
+            raise UsageError(str(exc)) from None
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise UsageError("target is empty")
