@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DATA_DIR ?= ./data
 
-.PHONY: run test lint test-engines perf clean-venv
+.PHONY: run test lint test-engines perf clean-venv cluster
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ run: $(VENV)/.run-deps
 
 test: $(VENV)/.test-deps
 	$(PY) -m pytest -q
+
+# a local cluster: etcd (apt-get install etcd-server) and 3 daemons on loopback, until Ctrl-C;
+# CLUSTER_DIR holds their stores, CLUSTER_NODES how many daemons
+CLUSTER_DIR ?= ./data/cluster
+CLUSTER_NODES ?= 3
+cluster: $(VENV)/.test-deps
+	$(PY) tests/local_cluster.py --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES)
 
 # the dependency rule (common <- wire <- client, daemon; kernels <- client), import-linter's contracts
 lint: $(VENV)/.test-deps

@@ -1,0 +1,169 @@
+"""kvtierd members of a real etcd (on loopback): registration, SIGTERM and kill -9, etcd
+down at start, etcd killed and back, the client's watched view, the daemon's metrics."""
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from cluster_fixtures import LEASE_TTL_S, etcd, members_of, start_member, wait_members  # noqa: F401
+from daemon_proc import DEFAULT_ARGS, start_kvtierd
+from etcd_server import EtcdServer, etcd_missing_reason, free_port
+from kvtier.client import BlockClient
+from kvtier.client.cluster_members import ClusterUnavailable, open_members
+from kvtier.daemon.cluster.node_id import NODE_ID_FILE
+
+POLL_S = 0.1  # how often a test re-reads a daemon's /metrics while it waits on etcd's timers
+METRICS_WAIT_S = 15.0
+
+
+def metric(admin_addr: str, name: str, labels: str = "") -> float | None:
+    """One sample of the daemon's /metrics (``labels`` as Prometheus writes them), None if absent."""
+    wanted = f"{name}{labels} "
+    with urllib.request.urlopen(f"http://{admin_addr}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(wanted):
+                return float(line[len(wanted):])
+    return None
+
+
+def wait_metric(admin_addr: str, name: str, ok, labels: str = "") -> float:
+    """The metric once ``ok(value)`` holds (a daemon's timers run on their own: polled, bounded)."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        value = metric(admin_addr, name, labels)
+        if value is not None and ok(value):
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name}{labels} = {value} never satisfied the test within {METRICS_WAIT_S} s")
+        time.sleep(POLL_S)
+
+
+def test_registers_under_the_prefix_and_deregisters_on_sigterm(etcd, tmp_path):
+    a = start_member(tmp_path, etcd, "node-a")
+    b = start_member(tmp_path, etcd, "node-b", prefix="other")
+    try:
+        assert members_of(etcd.url()) == {"node-a": a.data_addr}
+        assert members_of(etcd.url("other")) == {"node-b": b.data_addr}
+        assert a.stop() == 0
+        assert members_of(etcd.url()) == {}  # gone at once: the key deleted and the lease revoked
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_node_id_is_kept_across_restarts_and_advertise_is_registered(etcd, tmp_path):
+    d = start_kvtierd(tmp_path / "n", "--cluster", etcd.url(), "--lease-ttl", str(LEASE_TTL_S),
+                      "--advertise", "127.0.0.9:7999")
+    try:
+        node_id = (tmp_path / "n" / NODE_ID_FILE).read_text().strip()
+        assert members_of(etcd.url()) == {node_id: "127.0.0.9:7999"}
+        d.restart()
+        assert members_of(etcd.url()) == {node_id: "127.0.0.9:7999"}
+    finally:
+        d.stop()
+
+
+def test_kill_9_leaves_within_the_lease_ttl(etcd, tmp_path):
+    a, b = start_member(tmp_path, etcd, "node-a"), start_member(tmp_path, etcd, "node-b")
+    members = open_members(etcd.url())
+    try:
+        wait_members(members, lambda v: v.node_ids == ("node-a", "node-b"))
+        a.kill()
+        view, waited_s = wait_members(members, lambda v: v.node_ids == ("node-b",))
+        assert waited_s <= LEASE_TTL_S + 1, f"node-a left {waited_s:.2f} s after kill -9"
+        assert view.addresses == (b.data_addr,)
+    finally:
+        members.close()
+        b.stop()
+
+
+def test_etcd_down_at_start_is_an_error_naming_the_url(tmp_path):
+    url = f"etcd://127.0.0.1:{free_port()}/kvtier"
+    cmd = [sys.executable, "-m", "kvtier.daemon.main", "--data-dir", str(tmp_path / "d"), *DEFAULT_ARGS,
+           "--admin", "none", "--cluster", url]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert f"cannot join the cluster at {url}" in result.stderr
+    assert "kvtierd ready" not in result.stdout
+    with pytest.raises(ClusterUnavailable, match=f"cannot read the members at {url}"):
+        open_members(url)
+
+
+def test_etcd_killed_while_running_the_daemon_serves_and_comes_back(etcd, tmp_path):
+    d = start_member(tmp_path, etcd, "node-a", admin="127.0.0.1:0")
+    members = open_members(etcd.url())
+    try:
+        assert metric(d.admin_addr, "kvtier_cluster_registered", '{node_id="node-a",state="registered"}') == 1.0
+        etcd.kill()
+        wait_metric(d.admin_addr, "kvtier_cluster_etcd_errors_total", lambda v: v >= 1)
+        view, _ = wait_members(members, lambda v: v.stale)
+        assert view.node_ids == ("node-a",)  # the last view, kept
+        with BlockClient(d.data_addr) as c:  # serving on
+            assert c.ping() >= 0
+        etcd.start()  # same ports, same data: the lease survived (etcd renews leases on restart)
+        wait_metric(d.admin_addr, "kvtier_cluster_registered", lambda v: v == 1.0,
+                    '{node_id="node-a",state="registered"}')
+        view, _ = wait_members(members, lambda v: not v.stale)
+        assert view.node_ids == ("node-a",)
+        assert members_of(etcd.url()) == {"node-a": d.data_addr}
+        assert members.statistics().etcd_errors >= 1 and members.statistics().resyncs >= 1
+    finally:
+        members.close()
+        d.stop()
+
+
+def test_etcd_back_without_the_lease_the_daemon_re_registers(tmp_path):
+    reason = etcd_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    first = EtcdServer(tmp_path / "etcd1")
+    d = start_member(tmp_path, first, "node-a", admin="127.0.0.1:0")
+    second = None
+    try:
+        first.kill()
+        wait_metric(d.admin_addr, "kvtier_cluster_etcd_errors_total", lambda v: v >= 1)
+        second = EtcdServer(tmp_path / "etcd2", client_port=first.client_port)  # etcd's data lost: no lease
+        assert wait_metric(d.admin_addr, "kvtier_cluster_re_registrations_total", lambda v: v >= 1) == 1
+        assert members_of(second.url()) == {"node-a": d.data_addr}
+        assert metric(d.admin_addr, "kvtier_cluster_members_seen") == 1
+    finally:
+        d.stop()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_client_view_watches_joins_and_leaves(etcd, tmp_path):
+    members = open_members(etcd.url())
+    started = []
+    try:
+        assert members.current().node_ids == ()
+        for name in ("node-c", "node-a", "node-b"):
+            started.append(start_member(tmp_path, etcd, name))
+        view, _ = wait_members(members, lambda v: len(v) == 3)
+        assert view.node_ids == ("node-a", "node-b", "node-c")
+        assert dict(zip(view.node_ids, view.addresses)) == {"node-c": started[0].data_addr,
+                                                            "node-a": started[1].data_addr,
+                                                            "node-b": started[2].data_addr}
+        assert started[1].stop() == 0
+        view, _ = wait_members(members, lambda v: len(v) == 2)
+        assert view.node_ids == ("node-b", "node-c")
+        st = members.statistics()
+        assert (st.members, st.joins, st.leaves, st.bad_records, st.stale) == (2, 3, 1, 0, False)
+    finally:
+        members.close()
+        for d in started:
+            d.stop()
+
+
+def test_cluster_without_the_cluster_extra_says_which_extra(tmp_path):
+    argv = ["--data-dir", str(tmp_path / "d"), *DEFAULT_ARGS, "--admin", "none",
+            "--cluster", "etcd://127.0.0.1:2379/kv"]
+    code = ("import sys; sys.modules['etcd3gw'] = None;"  # as if the cluster extra were not installed
+            f"from kvtier.daemon.main import main; sys.exit(main({argv!r}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "cannot join the cluster at etcd://127.0.0.1:2379/kv" in result.stderr
+    assert "pip install 'kvtier[cluster]'" in result.stderr
