@@ -11,6 +11,11 @@ queued behind it on the sealer thread. A failed seal or header write is retried 
 thread that reaps it, and raised if it fails again. When no region is free, the region
 manager reclaims one (:attr:`Allocator.reclaim`). Callers hold the engine lock, except
 for :meth:`Allocator.await_seal_for`.
+
+A PUT received in place holds a reservation of the open image (:attr:`Allocator.reservation`,
+at most one, see :mod:`.put_reservations`); until it is committed or aborted the open image
+takes no other append and is not sealed: every other writer first waits for it
+(:meth:`Allocator.wait_unreserved`, which lets go of the lock while it waits).
 """
 from __future__ import annotations
 
@@ -54,6 +59,19 @@ class Allocator:
         self.unsynced_writes = 0  # seals and region headers written since the devices were last synced
         # the region manager's reclaim, wired by the engine: called when no region is free
         self.reclaim: Callable[[], None] | None = None
+        self.reservation = None  # the PUT being received into the open image (put_reservations.Reservation)
+        self._unreserved = threading.Condition(lock)  # notified when the reservation is committed or aborted
+
+    def wait_unreserved(self, timeout_s: float | None = None) -> bool:
+        """Return (holding the engine lock, which the caller holds) once no reservation is in flight,
+        True; False if one still is after ``timeout_s``. The lock is let go while waiting, so a
+        writer calls this before it decides anything."""
+        return self._unreserved.wait_for(lambda: self.reservation is None, timeout_s)
+
+    def reservation_resolved(self) -> None:
+        """The reservation was committed or aborted (called under the lock)."""
+        self.reservation = None
+        self._unreserved.notify_all()
 
     @property
     def capacity_bytes(self) -> int:
@@ -73,6 +91,7 @@ class Allocator:
         and the spare image becomes the open one. The seal writes but does not fdatasync (see
         :mod:`.durability`)."""
         assert self.active
+        assert self.reservation is None, "sealed a region whose reservation is still being filled"
         self.reap_seal(wait=True)
         image = self.open
         # recovery drops (silently) a sealed region's entries past its span: never write one

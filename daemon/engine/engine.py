@@ -51,6 +51,7 @@ from .get_driver import GetDriver
 from .index import PINNED_BIT
 from .locations import LOCATION_DTYPE, BlockLocation
 from .pins_and_deletes import PinsAndDeletes
+from .put_reservations import InPlacePuts, Reservation
 from .raid0 import StripedArray
 from .reader import BlockReader
 from .rebuild import rebuild
@@ -134,6 +135,9 @@ class Engine:
                                self._check_open, size)
         self._pins_and_deletes = PinsAndDeletes(self._blocks, self._allocator, self._durability, self._array,
                                                 self._lock, self._seqs, self._check_open, size)
+        self._in_place = InPlacePuts(self._blocks, self._allocator, self._durability, self._lock, self._seqs,
+                                     self._counters, self._check_open, lambda: self.block_size_max_bytes, size,
+                                     self.put_many)
 
     @property
     def geometry(self) -> StripeGeometry:
@@ -173,6 +177,7 @@ class Engine:
         allocator.await_seal_for(sum(v.nbytes for v in views), len(views))
         with self._lock:
             self._check_open()
+            allocator.wait_unreserved()
             slots = self._index.find_many(k0s, k1s).tolist()
             k0l, k1l = k0s.tolist(), k1s.tolist()
             pending: list[tuple] = []  # index inserts, done in one vectorized batch per region
@@ -211,6 +216,18 @@ class Engine:
             else:
                 allocator.reap_seal(wait=False)
         return seqs
+
+    # -- put received in place (put_reservations.InPlacePuts) --------------------
+    def reserve_put(self, keys: Sequence, lengths: Sequence[int], new_region: bool = True) -> Reservation | None:
+        """Room in the open region to receive blocks into (``reservation.view``), then
+        :meth:`commit_put` or :meth:`abort_put`; None: use :meth:`put_many`."""
+        return self._in_place.reserve(keys, lengths, new_region)
+
+    def commit_put(self, reservation: Reservation, durable: bool = False) -> list[int]:
+        return self._in_place.commit(reservation, durable)
+
+    def abort_put(self, reservation: Reservation) -> None:
+        self._in_place.abort(reservation)
 
     # -- get: one driver (get_driver.GetDriver) behind every form ---------------
     def get(self, key) -> bytes | None:
@@ -316,6 +333,7 @@ class Engine:
         """Forget every block: a new generation in all superblocks makes every region free."""
         with self._lock:
             self._check_open()
+            self._allocator.wait_unreserved()
             self._allocator.reap_seal(wait=True)
             count = len(self._index)
             sbs = read_superblocks(self._devices)
@@ -405,6 +423,7 @@ class Engine:
         self.close()
 
     def _seal_and_sync(self) -> None:
+        self._allocator.wait_unreserved()  # a region is sealed once its reservation is committed or aborted
         if self._allocator.active and self._allocator.open.entry_count:
             self._allocator.seal(wait=True)
         self._durability.make_durable()

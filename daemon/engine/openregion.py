@@ -8,6 +8,11 @@ seal -- so the image is always exactly what the region will hold::
     0        4K                      data_end      summary_start      end
     | header | block | block | ...   |    free      | entries (rev) | trailer |
     |<- durable_end: prefix already on flash ->|
+
+A PUT received in place (:mod:`.put_reservations`) holds ``pending_bytes`` from
+``data_end`` (and room for ``pending_entries`` summary entries) while its payload
+arrives: not data yet, so nothing written to flash or sealed covers it until it is
+placed (:meth:`OpenRegion.place_block`).
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ class OpenRegion:
         self.entry_count = 0
         self.durable_end = 0  # bytes of the prefix known to be on flash and synced
         self.durable_entries = 0  # summary entries known to be on flash and synced
+        self.pending_bytes = 0  # reserved from data_end for a PUT being received in place
+        self.pending_entries = 0  # summary entries reserved for it
 
     @property
     def capacity_bytes(self) -> int:
@@ -45,25 +52,31 @@ class OpenRegion:
         self.entry_count = 0
         self.durable_end = 0
         self.durable_entries = 0
+        assert not self.pending_bytes and not self.pending_entries, "a region reset under a reservation"
         header = fmt.encode_region_header(fmt.RegionHeader(generation, region, base_seq))
         self.buffer[:fmt.REGION_HEADER_BYTES] = header
         self.buffer[-fmt.TRAILER_BYTES:] = bytes(fmt.TRAILER_BYTES)
         return header
 
     def room_for(self, block_bytes: int, entries: int = 1) -> bool:
-        return self.data_end + block_bytes + fmt.summary_bytes(self.entry_count + entries) <= self.size_bytes
+        return (self.data_end + self.pending_bytes + block_bytes
+                + fmt.summary_bytes(self.entry_count + self.pending_entries + entries) <= self.size_bytes)
 
     def append_block(self, block: memoryview, seq: int, k0: int, k1: int, ns: bytes, flags: int) -> int:
         """Copy a verified block in, stamp its seq; returns its offset in the region."""
         offset = self.data_end
         length = block.nbytes
         assert self.room_for(length), (offset, length, self.entry_count)
-        target = self.buffer[offset:offset + length]
-        copy_bytes(target, block)
-        stamp_sequence(target[:HEADER_SIZE], seq)
+        copy_bytes(self.buffer[offset:offset + length], block)
+        self.place_block(offset, length, seq, k0, k1, ns, flags)
+        return offset
+
+    def place_block(self, offset: int, length: int, seq: int, k0: int, k1: int, ns: bytes, flags: int) -> None:
+        """The verified block at ``data_end`` (``offset``) becomes data: its seq stamped, its entry added."""
+        assert offset == self.data_end, (offset, self.data_end)
+        stamp_sequence(self.buffer[offset:offset + HEADER_SIZE], seq)
         self.data_end += length
         self._entry(k0, k1, ns, seq, seq, offset, length, fmt.KIND_BLOCK, flags)
-        return offset
 
     def append_meta(self, kind: int, k0: int, k1: int, ns: bytes, seq: int, target_seq: int) -> None:
         assert self.room_for(0), self.entry_count

@@ -40,6 +40,7 @@ class PinsAndDeletes:
         k0, k1 = fmt.keys_to_halves(keys)
         with self._lock:
             self._check_open()
+            self._allocator.wait_unreserved()
             slots = self._index.find_many(k0, k1)
             found = slots >= 0
             unique = np.unique(slots[found])
@@ -59,6 +60,7 @@ class PinsAndDeletes:
         index = self._index
         with self._lock:
             self._check_open()
+            self._allocator.wait_unreserved()
             slots = index.find_many(k0, k1)
             unique = np.unique(slots[slots >= 0])
             meta = index.meta[unique]
@@ -88,6 +90,7 @@ class PinsAndDeletes:
         allocator = self._allocator
         with self._lock:
             self._check_open()
+            self._allocator.wait_unreserved()
             allocator.reap_seal(wait=True)
             doomed = []
             for region in range(self._table.region_count):

@@ -20,6 +20,7 @@ class EngineCounters:
     alloc_failures: int = 0
     corrupt_reads: int = 0
     recovered_blocks: int = 0
+    puts_received_in_place: int = 0  # of puts: blocks received straight into the open region (no copy)
 
 
 @dataclass(frozen=True)
@@ -41,5 +42,6 @@ class EngineStatistics:
     alloc_failures: int
     corrupt_reads: int
     recovered_blocks: int
+    puts_received_in_place: int
     recovery_seconds: float
     index_bytes: int

@@ -1,0 +1,172 @@
+"""PUT payloads received straight into the open region's image: reserve, fill, commit or abort.
+
+::
+
+    reserve ──lock──> room for the frame's blocks at data_end, held as *pending* ──> a writable view
+       │      the connection recv_into's the payload there, without the lock
+       v
+    commit ──no lock: header, key, length and payload CRC checked where the bytes landed──>
+           ──lock──> seqs stamped, summary entries, index ──durable?──> written and synced
+    abort  ──> the view zeroed, the room given back
+
+At most one reservation is in flight (:attr:`Allocator.reservation`); while it is, every other
+writer of the open image waits (:meth:`Allocator.wait_unreserved`) and the image is not sealed,
+so the blocks of a reservation are placed at ``data_end`` in one step and get seqs in place
+order, as appended blocks do (the recovery walk and the summary rely on both). A PUT that finds
+one in flight waits for it up to RESERVATION_WAIT_S, then is received the old way (an arena,
+then :meth:`Engine.put_many`).
+
+Crash ordering: a reservation's bytes lie past ``data_end`` until commit, so no durability
+write and no seal covers them while they arrive; an aborted one is zeroed before its room is
+given back, so nothing a client sent for it is left past ``data_end`` where a later
+page-aligned prefix write could carry it to flash for the recovery walk to find. A crash with
+a reservation in flight, or after an abort, therefore recovers no block of it; a committed one
+is exactly an appended block.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, verify_block
+
+from . import regionfmt as fmt
+from .allocator import Allocator
+from .blockmap import BlockMap
+from .durability import Durability
+from .errors import DeviceError, EngineError
+from .seqs import SeqCounter
+from .statistics import EngineCounters
+
+RESERVATION_WAIT_S = 0.25  # a PUT waits this long for the reservation in flight (a few frames' worth at
+# loopback rates) before it is received the copying way: a stalled client never stalls other PUTs for long
+
+
+@dataclass
+class Reservation:
+    """Room in the open image for one PUT frame's blocks, back to back from ``offset``."""
+
+    region: int
+    offset: int
+    view: memoryview  # the frame's payload lands here (writable, ``sum(lengths)`` bytes)
+    keys: tuple[bytes, ...]
+    lengths: tuple[int, ...]
+    resolved: bool = False  # committed or aborted
+
+
+class InPlacePuts:
+    def __init__(self, blocks: BlockMap, allocator: Allocator, durability: Durability, lock: threading.RLock,
+                 seqs: SeqCounter, counters: EngineCounters, check_open: Callable[[], None], block_size_max: Callable[[], int],
+                 region_size_bytes: int, put_many: Callable):
+        self._blocks = blocks
+        self._allocator = allocator
+        self._durability = durability
+        self._lock = lock
+        self._seqs = seqs
+        self._counters = counters
+        self._check_open = check_open
+        self._block_size_max = block_size_max
+        self._region_size = region_size_bytes
+        self._put_many = put_many  # the copying path, for a frame whose keys were stored meanwhile
+
+    def reserve(self, keys: Sequence[bytes], lengths: Sequence[int], new_region: bool) -> Reservation | None:
+        """Room for blocks of these keys and lengths in the open image, or None: one is in flight,
+        a key is present or repeated, a length is implausible, or the frame does not fit the open
+        region and ``new_region`` is False (the caller then receives it into a buffer of its own).
+        ``new_region``: seal the open region (or reclaim one) when the frame does not fit it."""
+        keys, lengths = tuple(bytes(k) for k in keys), tuple(int(n) for n in lengths)
+        total, allocator = sum(lengths), self._allocator
+        if not keys or min(lengths) < HEADER_SIZE or max(lengths) > self._block_size_max() or \
+                total + fmt.ENTRY_BYTES * len(keys) > allocator.capacity_bytes or len(set(keys)) != len(keys):
+            return None
+        k0, k1 = fmt.keys_to_halves(keys)
+        if new_region:
+            allocator.await_seal_for(total, len(keys))
+        with self._lock:
+            self._check_open()
+            if not allocator.wait_unreserved(RESERVATION_WAIT_S) or (self._blocks.index.find_many(k0, k1) >= 0).any():
+                return None
+            if not (allocator.active and allocator.open.room_for(total, len(keys))):
+                if not new_region:
+                    return None
+                try:
+                    allocator.ensure_room(total, len(keys))
+                except (EngineError, DeviceError):
+                    return None  # the copying path meets the same failure and answers it
+                if (self._blocks.index.find_many(k0, k1) >= 0).any():  # a reclaim moved one in
+                    return None
+            image = allocator.open
+            image.pending_bytes, image.pending_entries = total, len(keys)
+            offset = image.data_end
+            reservation = Reservation(image.region, offset, image.buffer[offset:offset + total], keys, lengths)
+            allocator.reservation = reservation
+        return reservation
+
+    def commit(self, reservation: Reservation, durable: bool) -> list[int]:
+        """Check every block where it landed, then store them all (durable: on flash and synced on
+        return); returns their seqs. A block that fails its check aborts the reservation and
+        raises BlockFormatError naming it: nothing of the frame is stored."""
+        assert not reservation.resolved, "reservation committed or aborted twice"
+        views, headers, pos = [], [], 0
+        for i, (key, length) in enumerate(zip(reservation.keys, reservation.lengths)):
+            view = reservation.view[pos:pos + length]
+            pos += length
+            try:
+                headers.append(verify_block(view, expected_key=key))
+            except BlockFormatError as exc:
+                self.abort(reservation)
+                raise BlockFormatError(f"PUT item {i} (key {key.hex()}): {exc}; nothing stored") from None
+            views.append(view)
+        k0, k1 = fmt.keys_to_halves(reservation.keys)
+        allocator = self._allocator
+        with self._lock:
+            assert allocator.reservation is reservation, "a reservation that is not the one in flight"
+            if (self._blocks.index.find_many(k0, k1) >= 0).any():
+                # stored meanwhile by a PUT that had received its frame before this one was reserved:
+                # the copying path gives present keys their seqs (rare: one copy of this frame)
+                copies = [bytes(view) for view in views]
+                np.frombuffer(reservation.view, np.uint8).fill(0)
+                self._release(reservation)
+                return self._put_many(copies, durable)
+            image, base = allocator.open, reservation.region * self._region_size
+            assert image.region == reservation.region and image.data_end == reservation.offset
+            image.pending_bytes = image.pending_entries = 0
+            seqs, pending = [], []
+            for k0_, k1_, header, length in zip(k0.tolist(), k1.tolist(), headers, reservation.lengths):
+                seq = self._seqs.take()
+                offset = image.data_end
+                image.place_block(offset, length, seq, k0_, k1_, header.ns_id, 0)
+                pending.append((k0_, k1_, base + offset, length, seq - image.base_seq))
+                self._blocks.table.add_block(image.region, length, False)
+                seqs.append(seq)
+            self._blocks.table.last_seq[image.region] = seqs[-1]
+            self._counters.puts += len(seqs)
+            self._counters.put_bytes += sum(reservation.lengths)
+            self._counters.puts_received_in_place += len(seqs)
+            self._blocks.insert_appended(pending)
+            reservation.resolved = True
+            allocator.reservation_resolved()
+            if durable:
+                self._durability.make_durable()
+            else:
+                allocator.reap_seal(wait=False)
+        return seqs
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give the room back: nothing of the frame is stored (idempotent after a commit)."""
+        if reservation.resolved:
+            return
+        np.frombuffer(reservation.view, np.uint8).fill(0)  # no client bytes left past data_end
+        with self._lock:
+            if not reservation.resolved:
+                self._release(reservation)
+
+    def _release(self, reservation: Reservation) -> None:
+        image = self._allocator.open
+        assert self._allocator.reservation is reservation and image.data_end == reservation.offset
+        image.pending_bytes = image.pending_entries = 0
+        reservation.resolved = True
+        self._allocator.reservation_resolved()
