@@ -1,6 +1,7 @@
 """DataServer in-process on a real engine and real sockets: paths that need
 settings the command line does not expose (a small reply payload limit)."""
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -9,6 +10,9 @@ from kvtier.client import BlockClient
 from kvtier.common.blockformat import HEADER_SIZE, encode_block
 from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.daemon.server import DataServer
+from kvtier.daemon.server.arenas import ReplyArenas
+from kvtier.wire import connection as p
+from kvtier.wire.events import RemoteError
 
 NS = b"\x0c" * 16
 
@@ -248,8 +252,6 @@ def test_requests_without_an_arena_stay_within_the_transient_budget(engine):
 
     from kvtier.client import RemoteError
     from kvtier.wire import connection as p
-    from kvtier.daemon.server.arenas import ReplyArenas
-
     arenas = ReplyArenas(budget_bytes=0, transient_budget_bytes=5 << 19, transient_wait_s=30.0)
     server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20, reply_arenas=arenas)
     host, port = server.start()
@@ -336,3 +338,52 @@ def test_a_get_without_an_arena_reads_what_one_arena_holds_and_reserves_once(eng
     handler.buffers.reply_sent(session)
     stats = tight.statistics()
     assert (stats.transient_bytes, stats.transient_refused) == (0, 0)
+
+
+# -- PUTs received straight into the open region ------------------------------
+def in_place_server(engine):
+    """A server whose arenas are smaller than the PUTs below: they start a region of their own."""
+    server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20,
+                        reply_arenas=ReplyArenas(arena_bytes=64 << 10, budget_bytes=1 << 20))
+    host, port = server.start()
+    return server, f"{host}:{port}"
+
+
+def test_a_put_lands_in_the_open_region_and_a_bad_crc_there_stores_nothing(engine):
+    server, addr = in_place_server(engine)
+    try:
+        keys = [bytes([9]) + i.to_bytes(15, "little") for i in range(3)]
+        blocks = [encode_block(k, NS, 0, os.urandom(300_000)) for k in keys]
+        bad = bytearray(blocks[1])
+        bad[HEADER_SIZE + 7] ^= 1
+        with BlockClient(addr) as c:
+            with pytest.raises(RemoteError, match="CRC") as info:
+                c.put_many([(keys[0], blocks[0]), (keys[1], bytes(bad))], durable=True)
+            assert info.value.code == p.ErrorCode.BAD_BLOCK
+            assert c.lookup(keys[:1]) == 0 and engine.statistics().puts == 0  # nothing of the frame
+            c.put_many(list(zip(keys, blocks)), durable=True)
+            assert [g[HEADER_SIZE:] for g in c.get_many(keys)] == [b[HEADER_SIZE:] for b in blocks]
+        assert engine.statistics().puts_received_in_place == 3
+    finally:
+        server.stop()
+
+
+def test_a_connection_dropped_mid_payload_stores_nothing_and_frees_the_room(engine):
+    server, addr = in_place_server(engine)
+    try:
+        key = b"\x0a" * 16
+        block = encode_block(key, NS, 0, os.urandom(500_000))
+        host, _, port = addr.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            conn = p.Connection(p.Role.CLIENT)
+            s.sendall(conn.send(p.Hello(1, "drop-test")))
+            assert s.recv(65536)  # the HELLO reply
+            wire = b"".join(bytes(part) for part in conn.send_parts(p.Put(2, (key,), (block,), True)))
+            s.sendall(wire[:len(wire) - 200_000])  # the header, the meta and part of the block: then gone
+        with BlockClient(addr) as c:
+            assert c.lookup([key]) == 0
+            c.put(key, block, durable=True)  # waits for the dropped one's reservation to be aborted
+            assert c.get(key)[HEADER_SIZE:] == block[HEADER_SIZE:]
+        assert engine.statistics().puts_received_in_place == 1
+    finally:
+        server.stop()

@@ -28,6 +28,8 @@ GET_ARENA_BYTES_MAX = (16 << 20) + (64 << 10)  # one arena: a GET reply or PUT p
 GET_ARENAS_BYTES_MAX = 32 * GET_ARENA_BYTES_MAX  # all arenas of the daemon together: 32 requests in flight
 # in arenas, however many connections are open
 TRANSIENT_BYTES_MAX = 1 << 30  # request buffers outside the arenas, all connections together
+TRANSIENT_IDLE_BYTES_MAX = 128 << 20  # transient buffers kept for reuse once given back (four 32 MiB replies):
+# a fresh one costs a page fault per page on every request
 TRANSIENT_WAIT_S = 2.0  # a request waits this long for transient room before BUSY: a few large replies' worth
 
 
@@ -57,6 +59,7 @@ class ReplyArenas:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever transient room is given back
         self._free: list[memoryview] = []
+        self._idle_transient: list[memoryview] = []  # given-back transient buffers, most recent last
         self._created = self._lent = self._refused = 0
         self._transient = self._transient_refused = self._transient_waits = 0
 
@@ -78,6 +81,22 @@ class ReplyArenas:
             assert 0 <= nbytes <= self._transient, (nbytes, self._transient)
             self._transient -= nbytes
             self._room.notify_all()
+
+    def transient_buffer(self, nbytes: int) -> memoryview:
+        """A page-aligned buffer of at least ``nbytes`` for room already reserved: a given-back one
+        that fits (its pages faulted in already), else a new one rounded up to a MiB."""
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._idle_transient) if nbytes <= buf.nbytes < 2 * nbytes]
+            if fits:
+                return self._idle_transient.pop(fits[-1])
+        return aligned_buffer(-(-nbytes // (1 << 20)) << 20, huge=True)
+
+    def give_transient_buffer(self, buf: memoryview) -> None:
+        """Keep a transient buffer for the next request (the oldest go past TRANSIENT_IDLE_BYTES_MAX)."""
+        with self._lock:
+            self._idle_transient.append(buf)
+            while sum(b.nbytes for b in self._idle_transient) > TRANSIENT_IDLE_BYTES_MAX:
+                self._idle_transient.pop(0)
 
     def acquire(self) -> memoryview | None:
         """An arena for one request, or None when the budget is spent."""

@@ -70,6 +70,7 @@ class ConnectionLoop:
             log.exception("event=connection_crashed peer=%s", peer)
             self._recorder.error(p.ErrorCode.INTERNAL.name)
         finally:
+            self._handler.abort_in_place(session)  # a PUT payload cut off mid-way: nothing of it is stored
             self._buffers.reply_sent(session)  # a buffer lent to a reply that failed to go out
             sock.close()
             self._recorder.connection_closed()
@@ -94,8 +95,11 @@ class ConnectionLoop:
                 head = conn.pending_head
                 refused = None
                 if head is not None and head is not placed:
-                    placed = head  # an arena if it fits and one is free; else a transient buffer, budget permitting
-                    buffer = buffers.payload_buffer(session, head.payload_len)
+                    placed = head  # a PUT into the open region; else an arena if it fits and one is free;
+                    # else a transient buffer, budget permitting
+                    buffer = handler.payload_in_place(session, head, conn.pending_meta) if session.greeted else None
+                    if buffer is None:
+                        buffer = buffers.payload_buffer(session, head.payload_len)
                     if buffer is not None:
                         conn.set_payload_buffer(buffer)
                     elif (why := buffers.admit_payload(session, head.payload_len)) is not None:
@@ -109,7 +113,10 @@ class ConnectionLoop:
             if event is p.CONNECTION_CLOSED:
                 return
             started = time.perf_counter()
-            reply, close_after = handler.handle(event, session)
+            try:
+                reply, close_after = handler.handle(event, session)
+            finally:
+                handler.abort_in_place(session)  # a reservation its request did not commit
             try:
                 sent = sendmsg_all(sock, conn.send_parts(reply))
             finally:

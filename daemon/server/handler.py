@@ -135,9 +135,41 @@ class RequestHandler:
     def _get(self, msg: p.Get, session: Session, token):
         return self._gets.reply(msg, session), False
 
+    def payload_in_place(self, session: Session, head, meta) -> memoryview | None:
+        """For a PUT frame whose header and meta were read: room in the engine's open region
+        to receive its payload straight into (the blocks are checked and stored where they
+        land, no copy), or None (an arena or a buffer of its own, then ``Engine.put_many``).
+        A frame an arena holds goes there when the open region has no room left for it
+        (``put_many`` then fills the region's end); a larger one starts the next region."""
+        if head.base_op != p.Op.PUT or not session.authenticated and self._token() is not None:
+            return None
+        _, items = meta
+        reservation = self._engine.reserve_put([k for k, _ in items], [n for _, n in items],
+                                               new_region=head.payload_len > self.buffers.arenas.arena_bytes)
+        if reservation is None:
+            return None
+        session.put_reservation = reservation
+        return reservation.view
+
+    def abort_in_place(self, session: Session) -> None:
+        """The request whose payload went to a reservation ended without a commit (its frame was
+        refused, the connection dropped mid-payload, ...): nothing of it is stored."""
+        if session.put_reservation is not None:
+            reservation, session.put_reservation = session.put_reservation, None
+            self._engine.abort_put(reservation)
+
     def _put(self, msg: p.Put, session, token):
         """Headers and keys are checked here (naming the item); the engine
-        verifies every payload CRC before it stores any block of the batch."""
+        verifies every payload CRC before it stores any block of the batch
+        (where it landed, for a payload received into the open region)."""
+        reservation, session.put_reservation = session.put_reservation, None
+        try:
+            return self._put_checked(msg, reservation)
+        finally:
+            if reservation is not None:
+                self._engine.abort_put(reservation)  # a no-op once committed
+
+    def _put_checked(self, msg: p.Put, reservation):
         for index, (key, block) in enumerate(zip(msg.keys, msg.blocks)):
             try:
                 header = decode_header(block)
@@ -149,7 +181,10 @@ class RequestHandler:
                 self._stats.error(p.ErrorCode.BAD_BLOCK.name)
                 return p.ErrorReply(msg.request_id, p.ErrorCode.BAD_BLOCK,
                                     f"PUT item {index} (key {bytes(key).hex()}): {exc}; nothing stored"), False
-        seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable)
+        if reservation is not None:
+            seqs = self._engine.commit_put(reservation, durable=msg.durable)
+        else:
+            seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable)
         return p.PutReply(msg.request_id, tuple(seqs)), False
 
     def _delete(self, msg: p.Delete, session, token):

@@ -8,7 +8,6 @@ once its reply went out.
 """
 from __future__ import annotations
 
-from kvtier.common.aligned import aligned_buffer
 from kvtier.daemon.engine import BlockTooLargeError
 from kvtier.daemon.server.arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server.session import Session
@@ -58,7 +57,9 @@ class RequestBuffers:
             if arena is not None:
                 return arena
         self.reserve_transient(session, nbytes)
-        return aligned_buffer(nbytes, huge=True)
+        buffer = self.arenas.transient_buffer(nbytes)
+        session.transient_buffers.append(buffer)
+        return buffer
 
     def reserve_transient(self, session: Session, nbytes: int) -> None:
         """Room for ``nbytes`` outside the arenas for this request, waiting for it if need be."""
@@ -74,7 +75,9 @@ class RequestBuffers:
         session.transient_bytes += nbytes
 
     def release_transient(self, session: Session) -> None:
-        """Give back the room this request reserved outside the arenas."""
+        """Give back the room this request reserved outside the arenas, and its buffers there."""
+        while session.transient_buffers:
+            self.arenas.give_transient_buffer(session.transient_buffers.pop())
         if session.transient_bytes:
             nbytes, session.transient_bytes = session.transient_bytes, 0
             self.arenas.release_transient(nbytes)

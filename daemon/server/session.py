@@ -1,7 +1,8 @@
 """What the data server knows about one connection, and what its current request holds."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -15,3 +16,6 @@ class Session:
     get_arena: memoryview | None = None  # borrowed from ReplyArenas for one request (its PUT payload or its
     # GET reply's blocks); given back once the reply is sent
     transient_bytes: int = 0  # this request's buffers outside the arenas (within the daemon-wide budget)
+    transient_buffers: list = field(default_factory=list)  # the buffers lent for that room (GET replies)
+    put_reservation: Any = None  # the engine's Reservation this request's PUT payload is received into
+    # (committed by the handler; aborted by the connection if the request ends any other way)
