@@ -10,6 +10,7 @@ and runs each device's share on a thread pool so devices work in parallel::
 """
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
@@ -90,13 +91,15 @@ class StripedArray:
 
     def run_plan(self, plan, write: bool) -> None:
         """One task per contiguous device run: several runs on one device are in flight at once
-        (the pool's size bounds the queue depth)."""
-        tasks = []
+        (the pool's size bounds the queue depth). Tasks are queued round-robin over the devices,
+        so a plan with many runs (a batch of blocks) keeps every device busy from its start
+        instead of handing the pool's threads to the first device's runs."""
+        per_device = []
         for dev, runs in plan.items():
             device = self.devices[dev]
             op = device.write if write else device.read_into
-            tasks.extend((lambda op=op, off=off, bufs=bufs: op(off, bufs)) for off, bufs in runs)
-        self._parallel(tasks)
+            per_device.append([(lambda op=op, off=off, bufs=bufs: op(off, bufs)) for off, bufs in runs])
+        self._parallel([task for turn in itertools.zip_longest(*per_device) for task in turn if task is not None])
 
     def _parallel(self, tasks) -> None:
         if len(tasks) == 1:

@@ -35,17 +35,58 @@ class BlockReader:
                   verify_payload: bool = True) -> list[bytes | int | tuple[int, int] | ReadFailure]:
         """``requests``: (key, logical offset, length, seq); ``into``: a destination per request
         (or None: that block comes back as bytes); ``placed`` and ``verify_payload`` as in
-        :meth:`read_one`. One block alone reads its stripe pieces in parallel; a batch runs one
-        pool task per block (read, verify, copy), so verification of one block overlaps the I/O
-        of the others."""
+        :meth:`read_one`. Every block's stripe pieces go into one plan, so each device gets its
+        pieces of the whole batch as runs in flight together (the pool's threads bound the queue
+        depth), not one block's pieces at a time; then the blocks are verified (and copied where
+        they did not land in place) on the pool. A device error fails the batch's plan: each block
+        is then read alone, so only the blocks on the failing device come back DEVICE_ERROR."""
         targets = [None] * len(requests) if into is None else into
         assert len(targets) == len(requests), (len(targets), len(requests))
         if len(requests) == 1:
             return [self.read_one(*requests[0], inline=False, into=targets[0], placed=placed,
                                   verify_payload=verify_payload)]
-        return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst, placed=placed,
-                                                                  verify_payload=verify_payload),
-                                   requests, targets))
+        landing = [self._landing(addr, length, dst, placed) for (_, addr, length, _), dst in zip(requests, targets)]
+        plan: dict = {}
+        for (start, end, buf, _) in landing:
+            self._array.add_to_plan(plan, start, buf[:end - start])
+        try:
+            self._array.run_plan(plan, write=False)
+        except DeviceError:
+            for (_, _, buf, direct) in landing:
+                if not direct:
+                    self._buffers.give(buf)
+            return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst, placed=placed,
+                                                                      verify_payload=verify_payload),
+                                       requests, targets))
+        return list(self._pool.map(lambda req, dst, land: self._finish(*req, dst, *land, placed, verify_payload),
+                                   requests, targets, landing))
+
+    def _landing(self, addr: int, length: int, into: memoryview | None, placed: bool):
+        """(start, end, buffer, direct): the block's aligned range and where it is read to."""
+        start, end = align_down(addr), align_up(addr + length)
+        fits = into is not None and into.nbytes >= end - start and is_aligned(into)
+        direct = fits and (placed or start == addr)
+        return start, end, (into if direct else self._buffers.take(end - start)), direct
+
+    def _finish(self, key: bytes, addr: int, length: int, seq: int, into: memoryview | None, start: int, end: int,
+                buf: memoryview, direct: bool, placed: bool,
+                verify_payload: bool) -> bytes | int | tuple[int, int] | ReadFailure:
+        """Verify a block read to ``buf`` and hand it out as :meth:`read_one` does."""
+        try:
+            view = buf[addr - start:addr - start + length]
+            verify_block(view, key, seq, payload=verify_payload)
+            if into is None:
+                return bytes(view)
+            if not direct:
+                copy_bytes(into[:length], view)
+            if placed:
+                return (addr - start if direct else 0, length)
+            return length
+        except BlockFormatError:
+            return ReadFailure.CORRUPT
+        finally:
+            if not direct:
+                self._buffers.give(buf)
 
     def read_one(self, key: bytes, addr: int, length: int, seq: int, inline: bool = False,
                  into: memoryview | None = None, placed: bool = False,
@@ -65,28 +106,14 @@ class BlockReader:
         ``verify_payload=False`` checks header, key and seq but leaves the payload CRC to whoever
         the block is passed on to. ``inline`` reads in the calling thread (required on a pool
         thread: waiting on the pool from inside it could deadlock)."""
-        start, end = align_down(addr), align_up(addr + length)
-        fits = into is not None and into.nbytes >= end - start and is_aligned(into)
-        direct = fits and (placed or start == addr)
-        buf = into if direct else self._buffers.take(end - start)
+        start, end, buf, direct = self._landing(addr, length, into, placed)
         try:
             if inline:
                 self._array.read_inline(start, buf[:end - start])
             else:
                 self._array.read(start, buf[:end - start])
-            view = buf[addr - start:addr - start + length]
-            verify_block(view, key, seq, payload=verify_payload)
-            if into is None:
-                return bytes(view)
-            if not direct:
-                copy_bytes(into[:length], view)
-            if placed:
-                return (addr - start if direct else 0, length)
-            return length
-        except BlockFormatError:
-            return ReadFailure.CORRUPT
         except DeviceError:
-            return ReadFailure.DEVICE_ERROR
-        finally:
             if not direct:
                 self._buffers.give(buf)
+            return ReadFailure.DEVICE_ERROR
+        return self._finish(key, addr, length, seq, into, start, end, buf, direct, placed, verify_payload)
