@@ -23,7 +23,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from daemon_proc import start_kvtierd  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "perf"))
+from bench_store_load import drop_page_cache  # noqa: E402
+from bench_tcp import parallel  # noqa: E402
 
 from kvtier.client import BlockClient  # noqa: E402
 from kvtier.common.blockformat import encode_block  # noqa: E402
@@ -51,31 +54,6 @@ def daemon_cpu_s(pid: int) -> float:
     """utime + stime of a process, every thread, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
-def drop_page_cache() -> None:
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def parallel(fn, parts) -> float:
-    errors: list[BaseException] = []
-
-    def run(part):
-        try:
-            fn(part)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in parts]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - started
 
 
 def bench_kvtierd(work: Path, block_bytes: int, total_bytes: int) -> dict:
