@@ -23,7 +23,9 @@ the protocol reports it.
 
 Several daemon addresses form a static cluster: each key has one owner by
 rendezvous hashing over the addresses (:mod:`.routing`, the rule every
-client uses); a batch is split per owner.
+client uses); a batch is split per owner. ``etcd://HOST:PORT/PREFIX`` names a
+cluster whose members are watched in etcd: each key goes to ``replicas`` (default
+2) live members, with failover and read-repair (:mod:`.warm_tier`).
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ from .direct_reader import DirectReader
 from .hot_pool import HotPool
 from .prefix_load import PrefixLoad
 from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
+from kvtier.common.cluster_url import is_cluster_url
 from kvtier.common.keys import Namespace
-from .routing import Rendezvous
+from .owner_pool import FixedMembers, OwnerPool
 from .warm_tier import Daemon, WarmTier
 from .tier_stats import CacheStatistics, TierRecorder
 
@@ -57,6 +60,8 @@ DEFAULT_HOT_POOL_BYTES = 256 * 1024 * 1024  # a modest default; engines size it 
 WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at a time
 FETCH_STREAMS_MAX = 4  # parallel GET batches per daemon and load: the daemon reads them from its devices at once
 TRANSPORTS = ("auto", "tcp", "direct")
+CLUSTER_REPLICAS_DEFAULT = 2  # copies of each block on an etcd cluster: one node may die
+CLUSTER_IO_OWNERS = 4  # owners one load streams from at once, on an etcd cluster
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,7 @@ class KVCache:
                  hot_pool_bytes: int = DEFAULT_HOT_POOL_BYTES, device: str = "cpu",
                  device_map: Mapping[str, str] | None = None, transport: str = "auto",
                  pool_size: int = 4, timeout_s: float = 30.0, direct_backend: str = "auto",
-                 save_queue_bytes: int = SAVE_QUEUE_BYTES_MAX) -> None:
-        from . import BlockClient  # the block client (TCP); imported here to keep this module light
-
+                 save_queue_bytes: int = SAVE_QUEUE_BYTES_MAX, replicas: int | None = None) -> None:
         if not isinstance(namespace, Namespace):
             raise ValueError("namespace must be a kvtier.common.keys.Namespace")
         if transport not in TRANSPORTS:
@@ -92,8 +95,12 @@ class KVCache:
         if transport == "direct" and not device_map:
             raise ValueError("transport='direct' needs device_map {daemon device id: local path}")
         addrs = [addresses] if isinstance(addresses, str) else list(addresses)
+        cluster = len(addrs) == 1 and isinstance(addrs[0], str) and is_cluster_url(addrs[0])  # or a list of one
         if not addrs or len(set(addrs)) != len(addrs):
             raise ValueError(f"need one or more distinct daemon addresses, got {addresses!r}")
+        replicas = (CLUSTER_REPLICAS_DEFAULT if cluster else 1) if replicas is None else replicas
+        if replicas < 1:
+            raise ValueError(f"replicas must be 1 or more, got {replicas}")
         self.namespace = namespace
         self.layout = namespace.layout
         self.codec = get_codec(namespace.codec)
@@ -111,24 +118,37 @@ class KVCache:
         self._counters_lock = threading.Lock()
         self._requested = 0
         self._stored = 0
-        daemons: list[Daemon] = []
         self._executor = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-cache")
         self._streams = max(1, min(FETCH_STREAMS_MAX, pool_size))
         # GET streams run here, never on _executor: a prefetch waiting on its own pool could deadlock
-        self._io = ThreadPoolExecutor(max_workers=self._streams * len(addrs), thread_name_prefix="kvtier-get")
+        io_owners = CLUSTER_IO_OWNERS if cluster else len(addrs)
+        self._io = ThreadPoolExecutor(max_workers=self._streams * io_owners, thread_name_prefix="kvtier-get")
         # a streaming load's layer-group fetches: they wait on _io, and their driver on them
         self._group_fetches = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-group")
-        # member i of the routing is daemons[i]
-        self._warm = WarmTier(namespace, self.codec.codec_id, daemons, Rendezvous(addrs), self._io, self._streams,
-                              self._stats["warm"])
+        self._warm: WarmTier | None = None
         try:
-            for addr in addrs:
-                client = BlockClient(addr, token=token, pool_size=pool_size, timeout_s=timeout_s)
-                daemons.append(Daemon(addr, client, None))
-                daemons[-1] = Daemon(addr, client, self._open_reader(client, device_map, direct_backend))
-                self._warm.daemons = list(daemons)
+            if cluster:
+                from .cluster_members import open_members
+                members = open_members(addrs[0])
+            else:
+                members = FixedMembers(addrs)
+            opener = functools.partial(self._open_daemon, token, pool_size, timeout_s, device_map, direct_backend)
+            self._warm = WarmTier(namespace, self.codec.codec_id, OwnerPool(members, opener), replicas, self._io,
+                                  self._streams, self._stats["warm"])
+            if not cluster:
+                self._warm.pool.open_all()  # a static list connects (and finds its devices) now
         except BaseException:
             self.close()
+            raise
+
+    def _open_daemon(self, token, pool_size, timeout_s, device_map, backend, addr: str) -> Daemon:
+        from . import BlockClient  # the block client (TCP); imported here to keep this module light
+
+        client = BlockClient(addr, token=token, pool_size=pool_size, timeout_s=timeout_s)
+        try:
+            return Daemon(addr, client, self._open_reader(client, device_map, backend))
+        except BaseException:
+            client.close()
             raise
 
     def _open_reader(self, client, device_map, backend) -> DirectReader | None:
@@ -479,11 +499,8 @@ class KVCache:
         self._executor.shutdown(wait=True)
         self._group_fetches.shutdown(wait=True)
         self._io.shutdown(wait=True)
-        for daemon in self._warm.daemons:
-            if daemon.reader is not None:
-                daemon.reader.close()
-            daemon.client.close()
-        self._warm.daemons = []
+        if self._warm is not None:
+            self._warm.close()
 
     def __enter__(self) -> "KVCache":
         return self

@@ -9,6 +9,18 @@ blocks are whole::
     block keys   k0        k1        k2
     objects      k0.g0 k0.g1 k1.g0 k1.g1 k2.g0 k2.g1        (layer_groups = 2)
 
+Each key has ``replicas`` owners among the live members (:class:`~.owner_pool.OwnerPool`,
+rendezvous over the members' node ids, first choice first). A PUT goes to all of them in
+parallel (acknowledged by one owner when buffered, by every owner when durable); LOOKUP and
+GET ask the first owner and move to the next where it cannot answer (a connection error or
+timeout: a counted failover) or lacks the block. A block found only on a later owner is
+written back to the earlier owners that answered without it, in the background and bounded
+(a counted repair)::
+
+    keys          k0  k1  k2            replicas = 2
+    owner col 0   B   A   C      <- asked first
+    owner col 1   C   B   A      <- asked where col 0 failed or missed
+
 A fetched block is the tuple of its verified objects (header + payload each), in group
 order, or ``None`` where any object is missing or fails verification.
 """
@@ -18,19 +30,28 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
 
 from kvtier.common.blockformat import BlockFormatError, decode_header
 from kvtier.common.keys import Namespace, layer_group_key
 
+from kvtier.wire import events as p
+
 from .direct_reader import DirectLocation, DirectReader
-from .routing import Rendezvous
+from .owner_pool import OWNER_ERRORS, OwnerBatch, OwnerPool, WriteQuorumError
+from .routing import positions_by_owner
+from .save_queue import SaveQueue
 from .tier_stats import TierRecorder
 
 log = logging.getLogger(__name__)
 
 FETCH_STREAM_BLOCKS_MIN = 4  # a batch smaller than this is not worth a stream of its own
+REPAIR_QUEUE_BYTES_MAX = 64 * 1024 * 1024  # read-repairs in flight; more are dropped (a later hit retries)
+PUT_OWNERS_PARALLEL_MAX = 8  # owners one PUT batch writes to at once
 
 
 @dataclass(frozen=True)
@@ -45,16 +66,35 @@ class Daemon:
 class WarmTier:
     """LOOKUP, GET and PUT of whole blocks (all their layer groups) across the owners."""
 
-    def __init__(self, namespace: Namespace, codec_id: int, daemons: Sequence[Daemon], routing: Rendezvous,
+    def __init__(self, namespace: Namespace, codec_id: int, pool: OwnerPool, replicas: int,
                  io: ThreadPoolExecutor, streams: int, stats: TierRecorder) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be 1 or more, got {replicas}")
         self.namespace = namespace
         self.layout = namespace.layout
         self.codec_id = codec_id
-        self.daemons = list(daemons)
-        self.routing = routing
+        self.pool = pool
+        self.replicas = replicas
         self.stats = stats
         self._io = io
         self._streams = streams
+        self._puts = ThreadPoolExecutor(max_workers=PUT_OWNERS_PARALLEL_MAX, thread_name_prefix="kvtier-put")
+        self._repairs = SaveQueue(REPAIR_QUEUE_BYTES_MAX, name="kvtier-repair")
+
+    @property
+    def daemons(self) -> list[Daemon]:
+        """The open daemons of the members now."""
+        return self.pool.daemons
+
+    def wait_repairs(self, timeout_s: float) -> None:
+        """Wait for the read-repairs accepted so far (the queue runs them in order)."""
+        self._repairs.submit(0, 0, lambda: 0).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Drain the repairs and PUTs in flight, then close every connection."""
+        self._repairs.close()
+        self._puts.shutdown(wait=True)
+        self.pool.close()
 
     # --- keys and owners ---------------------------------------------------------
     def objects_of(self, keys: Sequence[bytes], groups: Sequence[int] | None = None) -> list[bytes]:
@@ -64,22 +104,61 @@ class WarmTier:
             return list(keys)
         return [layer_group_key(k, g) for k in keys for g in groups]
 
-    def by_owner(self, keys: Sequence[bytes]) -> dict[Daemon, list[int]]:
-        """``{daemon: [indices of keys it owns]}`` (:mod:`.routing`)."""
-        return {self.daemons[m]: idx for m, idx in self.routing.groups(keys).items()}
+    @contextmanager
+    def _placement(self, keys: Sequence[bytes]) -> Iterator[tuple[OwnerBatch, np.ndarray]]:
+        """The members now (held open for the body) and each key's owners among them."""
+        with self.pool.batch() as batch:
+            if not len(batch.view):
+                raise p.ConnectionLost(f"the cluster {batch.view.source} has no live members")
+            yield batch, batch.placement(keys, self.replicas)
+
+    @staticmethod
+    def _owned(place: np.ndarray, todo: list[int], col: int) -> dict[int, list[int]]:
+        """``{owner: ascending key indexes of todo}`` by column ``col`` of the placement."""
+        return {j: [todo[q] for q in pos] for j, pos in positions_by_owner(place[todo, col]).items()}
+
+    @staticmethod
+    def _client_of(batch: OwnerBatch, j: int):
+        daemon = batch.daemons[j]
+        if daemon is None:
+            raise p.ConnectionLost(f"no connection to {batch.node_of(j)}")
+        return daemon
 
     # --- lookup ------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading blocks of ``keys`` whose every layer group is stored: one LOOKUP per owner."""
+        """Leading blocks of ``keys`` whose every layer group is stored: one LOOKUP per owner,
+        the next owner asked for what the first could not answer or lacks."""
         if not keys:
             return 0
-        groups = self.layout.layer_groups
-        first_missing = len(keys)
-        for daemon, idx in self.by_owner(keys).items():
-            present = daemon.client.lookup(self.objects_of([keys[i] for i in idx]), ns_id=self.namespace.id)
-            if present // groups < len(idx):
-                first_missing = min(first_missing, idx[present // groups])
-        return first_missing
+        with self._placement(keys) as (batch, place):
+            groups = self.layout.layer_groups
+            todo, heard, failovers, error = list(range(len(keys))), [False] * len(keys), 0, None
+            for col in range(place.shape[1]):
+                ahead: list[int] = []
+                for j, idx in self._owned(place, todo, col).items():
+                    try:
+                        present = self._client_of(batch, j).client.lookup(
+                            self.objects_of([keys[i] for i in idx]), ns_id=self.namespace.id) // groups
+                    except OWNER_ERRORS as exc:
+                        error = self._owner_failed(batch, j, exc, "lookup")
+                        ahead.extend(idx)
+                        failovers += len(idx) if col + 1 < place.shape[1] else 0
+                        continue
+                    for i in idx:
+                        heard[i] = True
+                    ahead.extend(idx[present:])
+                todo = sorted(ahead)
+                if not todo:
+                    break
+        self.stats.record(failovers=failovers)
+        if todo and not heard[todo[0]]:
+            raise error
+        return todo[0] if todo else len(keys)
+
+    @staticmethod
+    def _owner_failed(batch: OwnerBatch, j: int, exc: BaseException, what: str) -> BaseException:
+        log.warning("event=owner_failed op=%s node=%s error=%s", what, batch.node_of(j), exc)
+        return exc
 
     # --- fetch -------------------------------------------------------------------
     def fetch(self, keys: list[bytes], prefix_only: bool, transports: dict[str, int],
@@ -89,19 +168,12 @@ class WarmTier:
         ``transports`` counts blocks delivered per transport. ``count_blocks=False``
         records the bytes only (a later layer group of blocks counted already)."""
         groups = list(range(self.layout.layer_groups) if groups is None else groups)
+        if not keys:
+            return []
         started = time.perf_counter()
         results: list = [None] * len(keys)
         via: list[str | None] = [None] * len(keys)
-        fallbacks = 0
-        for daemon, idx in self.by_owner(keys).items():
-            objects = self.objects_of([keys[i] for i in idx], groups)
-            got, names, fell = self._fetch_from(daemon, objects, prefix_only)
-            fallbacks += fell
-            width = len(groups)
-            for n, i in enumerate(idx):
-                parts = got[n * width:(n + 1) * width]
-                if all(p is not None for p in parts):
-                    results[i], via[i] = tuple(parts), names[n * width]
+        fallbacks = self._fetch_owners(keys, groups, prefix_only, results, via)
         if prefix_only:
             cut = next((i for i, blk in enumerate(results) if blk is None), len(results))
             results[cut:] = [None] * (len(results) - cut)
@@ -120,6 +192,64 @@ class WarmTier:
         for name, count in counted.items():
             self.stats.record(hits=count, transport=name)
         return results
+
+    def _fetch_owners(self, keys: list[bytes], groups: list[int], prefix_only: bool, results: list,
+                      via: list) -> int:
+        """Fill ``results`` / ``via`` from the first owner of each key that has it (the next
+        owner where one fails or lacks it; repairs queued); returns the direct-read fallbacks."""
+        fallbacks = failovers = 0
+        with self._placement(keys) as (batch, place):
+            todo, heard, error = list(range(len(keys))), [False] * len(keys), None
+            missed: dict[int, list[int]] = {}  # key index -> owners that answered without it
+            repairs: dict[int, list[int]] = {}  # owner -> key indexes to write back to it
+            width = len(groups)
+            for col in range(place.shape[1]):
+                ahead: list[int] = []
+                for j, idx in self._owned(place, todo, col).items():
+                    objects = self.objects_of([keys[i] for i in idx], groups)
+                    try:
+                        got, names, fell = self._fetch_from(self._client_of(batch, j), objects, prefix_only)
+                    except OWNER_ERRORS as exc:
+                        error = self._owner_failed(batch, j, exc, "get")
+                        ahead.extend(idx)
+                        failovers += len(idx) if col + 1 < place.shape[1] else 0
+                        continue
+                    fallbacks += fell
+                    for n, i in enumerate(idx):
+                        heard[i] = True
+                        parts = got[n * width:(n + 1) * width]
+                        if all(part is not None for part in parts):
+                            results[i], via[i] = tuple(parts), names[n * width]
+                            for owner in missed.get(i, ()):
+                                repairs.setdefault(owner, []).append(i)
+                        else:
+                            ahead.append(i)
+                            missed.setdefault(i, []).append(j)
+                todo = sorted(ahead)
+                if not todo:
+                    break
+            if todo and not all(heard[i] for i in (todo[:1] if prefix_only else todo)):
+                raise error
+            self.stats.record(failovers=failovers)
+            if repairs:
+                self._repair(batch, repairs, keys, groups, results)
+        return fallbacks
+
+    def _repair(self, batch: OwnerBatch, repairs: dict[int, list[int]], keys: list[bytes],
+                groups: list[int], results: list) -> None:
+        """Write blocks found on a later owner back to the owners that answered without
+        them, in the background; a full repair queue drops the repair (a later hit retries)."""
+        for j, idx in repairs.items():
+            daemon = batch.daemons[j]
+            items = [(key, memoryview(bytes(part))) for i in idx
+                     for key, part in zip(self.objects_of([keys[i]], groups), results[i])]
+            nbytes = sum(view.nbytes for _, view in items)
+
+            def put(daemon=daemon, items=items, blocks=len(idx)) -> int:
+                daemon.client.put_many(items, durable=False)
+                self.stats.record(repairs=blocks)
+                return blocks
+            self._repairs.submit(nbytes, len(idx), put)
 
     def _fetch_from(self, daemon: Daemon, keys: list[bytes], prefix_only: bool):
         """(objects, transport name per object, fallbacks) from one daemon."""
@@ -183,13 +313,50 @@ class WarmTier:
             return False
         return head.key == key and head.ns_id == self.namespace.id and head.codec_id == self.codec_id
 
-    # --- store -------------------------------------------------------------------
+    # --- store ---------------------------------------------------------------------
     def send(self, keys: Sequence[bytes], objects: Sequence[Sequence[memoryview]], durable: bool) -> int:
-        """PUT each block's objects (``objects[g][i]``: group g of block i) to its owner."""
-        group_keys = [self.objects_of(keys, [g]) for g in range(len(objects))]
-        for daemon, idx in self.by_owner(keys).items():
-            daemon.client.put_many([(group_keys[g][i], objects[g][i]) for i in idx for g in range(len(objects))],
-                                   durable=durable)
+        """PUT each block's objects (``objects[g][i]``: group g of block i) to all its owners
+        in parallel. Acknowledged when one owner of every block took it (every owner, when
+        ``durable``); else :class:`~.owner_pool.WriteQuorumError` names the nodes that failed."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        with self._placement(keys) as (batch, place):
+            group_keys = [self.objects_of(keys, [g]) for g in range(len(objects))]
+            per_owner: dict[int, list[int]] = {}
+            for col in range(place.shape[1]):
+                for j, idx in positions_by_owner(place[:, col]).items():
+                    per_owner.setdefault(j, []).extend(idx)
+
+            def put(j: int) -> int:
+                idx = sorted(per_owner[j])
+                items = [(group_keys[g][i], objects[g][i]) for i in idx for g in range(len(objects))]
+                self._client_of(batch, j).client.put_many(items, durable=durable)
+                return sum(view.nbytes for _, view in items)
+            owners = list(per_owner)
+            futures = {j: self._puts.submit(put, j) for j in owners[1:]}
+            outcome: dict[int, object] = {}
+            for j in owners:  # every PUT finishes before this returns: the caller frees the buffers then
+                try:
+                    outcome[j] = put(j) if j == owners[0] else futures[j].result()
+                except OWNER_ERRORS as exc:
+                    outcome[j] = self._owner_failed(batch, j, exc, "put")
+                except BaseException as exc:  # not an owner fault: raised once every PUT is done
+                    outcome[j] = exc
+            other = [exc for exc in outcome.values() if isinstance(exc, BaseException)
+                     and not isinstance(exc, OWNER_ERRORS)]
+            if other:
+                raise other[0]
+            failed = {j: exc for j, exc in outcome.items() if isinstance(exc, BaseException)}
+            down = np.zeros(len(batch.view), dtype=bool)
+            down[list(failed)] = True
+            acks = (~down[place]).sum(axis=1)
+            need = place.shape[1] if durable else 1
+            if (acks < need).any():
+                names = ", ".join(f"{batch.node_of(j)}: {exc}" for j, exc in failed.items())
+                raise WriteQuorumError(f"{'durable' if durable else 'buffered'} PUT of {int((acks < need).sum())} of "
+                                       f"{len(keys)} blocks reached fewer than {need} of their owners; failed: "
+                                       f"{names}") from next(iter(failed.values()))
         # tier latencies describe reads (what TTFT waits for); writes count bytes only
-        self.stats.record(bytes_written=sum(b.nbytes for group in objects for b in group))
+        self.stats.record(bytes_written=sum(n for n in outcome.values() if not isinstance(n, BaseException)))
         return len(keys)
