@@ -25,7 +25,7 @@ import numpy as np
 
 from kvtier.wire import events as p
 
-from .cluster_members import ClusterMembers, Member, MembersStatistics, MemberView, STATIC_SOURCE
+from .cluster_members import ClusterMembers, Member, MemberView, STATIC_SOURCE, StaticMembers
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +51,13 @@ class OwnerBatch:
         return f"{self.view.node_ids[j]} ({self.view.addresses[j]})"
 
 
-class FixedMembers:
+class FixedMembers(StaticMembers):
     """A static list exactly as KVCache has always routed it: each address, as given, is a
     member's node id (no canonical form, so owners stay where they were)."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str]) -> None:  # not super().__init__: it canonicalizes addresses
         members = tuple(Member(a, a) for a in sorted(addresses))
         self._view = MemberView(members, 0, STATIC_SOURCE)
-
-    def current(self) -> MemberView:
-        return self._view
-
-    def wait_changed(self, version: int, timeout_s: float) -> MemberView:
-        if version < self._view.version:
-            return self._view
-        threading.Event().wait(timeout_s)
-        return self._view
-
-    def statistics(self) -> MembersStatistics:
-        return MembersStatistics(STATIC_SOURCE, len(self._view), 0, False, 0, 0, 0, 0)
-
-    def close(self) -> None:
-        pass
 
 
 class OwnerPool:
