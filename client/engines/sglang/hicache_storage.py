@@ -182,11 +182,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._ready()
         tokens = self.pages.page_tokens(host_indices, len(keys))
         started = time.perf_counter()
-        blocks = self._load(keys)
-        ok = [blk is not None for blk in blocks]
-        for page, block in zip(self.pages.page_views(tokens), blocks):
-            if block is not None:
-                page.copy_(block)  # straight into the host pool
+        ok = self._load_into(keys, list(self.pages.page_views(tokens)))  # decoded straight into the host pool
         self._record(self._prefetch_pages, self._prefetch_bw, sum(ok), started)
         return ok
 
@@ -249,6 +245,17 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.counters["loaded_pages"] += good
         self.counters["failed_pages"] += len(keys) - good
         return blocks
+
+    def _load_into(self, keys: List[str], pages: list) -> List[bool]:
+        """:meth:`_load` straight into the host pool's page views; a miss leaves its page as it was."""
+        try:
+            ok = self._ready().load_blocks_into(self.keys_of(keys), pages)
+        except IO_ERRORS as exc:
+            logger.warning("kvtier load of %d pages failed (%s)", len(keys), exc)
+            ok = [False] * len(keys)
+        self.counters["loaded_pages"] += sum(ok)
+        self.counters["failed_pages"] += len(keys) - sum(ok)
+        return ok
 
     def _store(self, keys: List[str], blocks: list) -> bool:
         """Write-behind: copy the blocks of the pages not queued recently out and queue
