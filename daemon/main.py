@@ -35,14 +35,25 @@ def _setup_logging(level: str) -> None:
 
 
 def open_engine(cfg: DaemonConfig):
-    """Format if asked, then open (formatting on first run) the store."""
-    from kvtier.daemon.engine import Engine
+    """Format if asked, then open the store.
+
+    Only ``--format`` or a first run of the embedded default (a data dir with none
+    of its device files) creates device files; any other missing device is an
+    error naming it, and nothing is created."""
+    from kvtier.daemon.engine import Engine, GeometryError
     if not cfg.devices:
         os.makedirs(cfg.data_dir, exist_ok=True)
     ecfg = cfg.engine_config()
     if cfg.format:
-        Engine.format(ecfg, force=cfg.force)
+        Engine.format(ecfg, force=cfg.force, force_hint="--force")
         log.info("event=formatted devices=%s", ",".join(ecfg.device_paths))
+        return Engine.open(ecfg)
+    missing = [path for path in ecfg.device_paths if not os.path.exists(path)]
+    first_run = not cfg.devices and len(missing) == len(ecfg.device_paths)
+    if missing and not first_run:
+        what = f"device {missing[0]} is" if len(missing) == 1 else f"devices {', '.join(missing)} are"
+        raise GeometryError(f"{what} missing (nothing was created; start with --format to create and "
+                            f"format a new store)")
     return Engine.open(ecfg, create_if_missing=True)
 
 

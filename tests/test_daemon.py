@@ -159,7 +159,9 @@ def test_config_file_and_explicit_devices_created_with_their_space_reserved(tmp_
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'device = ["{devs[0]}", "{devs[1]}"]\ndevice_size = "128m"\nregion_size = "2m"\n'
                    f'stripe_size = "1m"\nlisten = "127.0.0.1:0"\nadmin = "none"\n')
-    d = start_kvtierd(tmp_path / "data", "--config", str(cfg), "--region-size", "2m", "--stripe-size", "1m")
+    # explicit devices are created only by --format (a start without it names the missing ones)
+    d = start_kvtierd(tmp_path / "data", "--config", str(cfg), "--region-size", "2m", "--stripe-size", "1m",
+                      "--format")
     try:
         for dev in devs:
             st = dev.stat()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.common.stripe import StripeGeometry
+from kvtier.daemon.engine.devicelock import flock_holder_pid
 from kvtier.daemon.engine.devices import DeviceError, FaultyDevice, FileDevice, MemoryDevice
 from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer
 from kvtier.daemon.engine.raid0 import StripedArray
@@ -90,6 +91,46 @@ def test_misaligned_and_out_of_range_io_is_refused_naming_the_device(device):
 def test_missing_file_is_an_error_naming_it(tmp_path):
     with pytest.raises(DeviceError, match="nothere.img does not exist"):
         FileDevice(tmp_path / "nothere.img")
+
+
+def test_a_second_open_of_a_device_file_is_refused_naming_the_holder(tmp_path):
+    first = FileDevice(tmp_path / "held.img", create_size_bytes=1 << 20)
+    try:
+        assert flock_holder_pid(os.stat(tmp_path / "held.img")) == os.getpid()
+        with pytest.raises(DeviceError, match=f"held.img is in use: locked by process {os.getpid()}"):
+            FileDevice(tmp_path / "held.img")  # the flock is per open file: refused in this process too
+    finally:
+        first.close()
+    assert flock_holder_pid(os.stat(tmp_path / "held.img")) is None
+    FileDevice(tmp_path / "held.img").close()  # closing released it
+
+
+@pytest.mark.root
+def test_a_second_open_of_a_block_device_is_refused_by_o_excl(tmp_path):
+    path = _loop_device(tmp_path)
+    try:
+        first = FileDevice(path)
+        try:
+            assert first.is_block_device
+            with pytest.raises(DeviceError, match=f"^device {path} is in use: opened exclusively"):
+                FileDevice(path)
+        finally:
+            first.close()
+        FileDevice(path).close()  # closing released it
+    finally:
+        subprocess.run(["losetup", "-d", path], timeout=10)
+
+
+def test_the_lock_holder_is_read_from_proc_locks_lines(tmp_path):
+    st = os.stat(tmp_path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    locks = tmp_path / "locks"
+    locks.write_text(f"1: POSIX  ADVISORY  WRITE 11 {inode} 0 EOF\n"
+                     f"2: FLOCK  ADVISORY  WRITE 22 00:01:5 0 EOF\n"
+                     f"2: -> FLOCK  ADVISORY  WRITE 33 {inode} 0 EOF\n"
+                     f"3: FLOCK  ADVISORY  WRITE 44 {inode} 0 EOF\n")
+    assert flock_holder_pid(st, str(locks)) == 44  # not the POSIX lock, nor the waiter ("->")
+    assert flock_holder_pid(st, str(tmp_path / "absent")) is None
 
 
 def test_a_created_file_has_its_space_reserved(tmp_path):

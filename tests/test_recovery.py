@@ -216,7 +216,9 @@ def test_fsck_finds_and_repairs_a_corrupt_block(tmp_path):
     engine.put(block(10, 1000), durable=True)  # left in an open region
     dev, off = device_file_offset(engine, key(2), HEADER_SIZE + 10)
     region = engine.block_info(key(2))["region"]
-    del engine  # crash: no close
+    for device in engine._devices:  # crash: the process's fds (and device locks) go, nothing is sealed
+        device.close()
+    del engine
     flip_byte(cfg.device_paths[dev], off)
     report = check_store(cfg)
     assert not report.clean and report.blocks_bad == 1 and report.blocks_ok == 10

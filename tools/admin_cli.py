@@ -333,7 +333,7 @@ def cmd_format(args) -> int:
     from kvtier.daemon.engine import Engine
 
     cfg = resolve_store(args).engine_config()
-    Engine.format(cfg, force=args.force)
+    Engine.format(cfg, force=args.force, force_hint="--force")
     _emit(args, {"formatted": list(cfg.device_paths)}, f"formatted {len(cfg.device_paths)} device(s): "
                                                          + ", ".join(cfg.device_paths))
     return EXIT_OK

@@ -28,6 +28,7 @@ from typing import Sequence
 
 from kvtier.common.aligned import ALIGNMENT_BYTES, address_of, aligned_buffer, align_up
 
+from .devicelock import DeviceBusy, block_device_busy, lock_file
 from .errors import DeviceError
 
 log = logging.getLogger("kvtier.daemon.engine")
@@ -89,7 +90,9 @@ class FileDevice(Device):
     naming the device, not a failed write later, and first writes skip block
     allocation. Without ``create_size_bytes`` a missing path raises
     :class:`DeviceError` naming it. An existing file is used as it is, sparse
-    or not. ``created`` says whether this call made the
+    or not. The device is held exclusively while open (:mod:`.devicelock`):
+    a second opener, in any process, gets a :class:`DeviceError` naming the
+    device and, for a file, the holder's PID. ``created`` says whether this call made the
     file (the caller removes it if the store cannot be set up after all). A
     filesystem that cannot reserve space (no ``fallocate``: glibc then writes
     single bytes, which O_DIRECT refuses) gets a sparse file and a warning.
@@ -101,16 +104,33 @@ class FileDevice(Device):
         exists = os.path.exists(self.name)
         if not exists and create_size_bytes is None:
             raise DeviceError(f"device {self.name} does not exist")
-        try:
-            self._fd = os.open(self.name, flags | (0 if exists else os.O_CREAT | os.O_EXCL), 0o600)
+        is_block = exists and stat.S_ISBLK(os.stat(self.name).st_mode)
+        try:  # O_EXCL on a block device: exclusive open (EBUSY while another holds it)
+            self._fd = os.open(self.name, flags | (os.O_EXCL if is_block else 0)
+                               | (0 if exists else os.O_CREAT | os.O_EXCL), 0o600)
         except OSError as exc:
+            if is_block and exc.errno == errno.EBUSY:
+                raise DeviceError(block_device_busy(self.name).strerror) from exc
             raise DeviceError(f"cannot open device {self.name}: {exc.strerror}") from exc
         self._closed = False
         self.created = not exists
         self.is_block_device = stat.S_ISBLK(os.fstat(self._fd).st_mode)
+        if not self.is_block_device:
+            self._lock()
         if not exists:
             self._reserve(create_size_bytes)
         self.size_bytes = os.lseek(self._fd, 0, os.SEEK_END)
+
+    def _lock(self) -> None:
+        try:
+            lock_file(self._fd, self.name)
+        except OSError as exc:
+            os.close(self._fd)
+            self._closed = True
+            if self.created:
+                os.unlink(self.name)
+            raise DeviceError(exc.strerror if isinstance(exc, DeviceBusy) else
+                              f"cannot lock device {self.name}: {exc.strerror}") from exc
 
     def _reserve(self, size_bytes: int) -> None:
         try:

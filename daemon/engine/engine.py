@@ -68,13 +68,15 @@ class Engine:
 
     # -- construction ------------------------------------------------------
     @staticmethod
-    def format(cfg: EngineConfig, force: bool = False, devices: Sequence[Device] | None = None) -> None:
+    def format(cfg: EngineConfig, force: bool = False, devices: Sequence[Device] | None = None,
+               force_hint: str = "force=True") -> None:
         """Write fresh superblocks (erases the store). A device that already
-        holds a kvtier store needs ``force=True``."""
+        holds a kvtier store needs ``force=True``; the refusal names it as
+        ``force_hint`` (``--force`` on the command line)."""
         owned = devices is None
         devs = open_devices(cfg, create=True) if owned else list(devices)
         try:
-            format_store(cfg, devs, force)
+            format_store(cfg, devs, force, force_hint)
         finally:
             if owned:
                 for device in devs:

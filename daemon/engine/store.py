@@ -80,13 +80,16 @@ def compute_layout(cfg: EngineConfig, devices: Sequence[Device], device_ids: tup
     return regions * share, regions
 
 
-def format_store(cfg: EngineConfig, devices: Sequence[Device], force: bool) -> StoreLayout:
+def format_store(cfg: EngineConfig, devices: Sequence[Device], force: bool,
+                 force_hint: str = "force=True") -> StoreLayout:
+    """Write fresh superblocks; ``force_hint`` is how the refusal names the override
+    (the command line says ``--force``)."""
     old = read_superblocks(devices)
     if not force:
         for device, sb in zip(devices, old):
             if isinstance(sb, Superblock):
                 raise GeometryError(f"device {device.name} already holds kvtier store {sb.store_uuid.hex()}; "
-                                    f"formatting it needs force=True (erases the store)")
+                                    f"formatting it needs {force_hint} (erases the store)")
     seq_floor = erased_seq_floor(devices, old)
     uuids = tuple(secrets.token_bytes(16) for _ in devices)
     device_data_bytes, regions = compute_layout(cfg, devices, tuple(u.hex() for u in uuids))
