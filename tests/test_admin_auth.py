@@ -18,7 +18,8 @@ from kvtier.daemon.state import DaemonState
 TOKEN = "s3cret-token-for-tests"
 PROTECTED = [("GET", "/v1/stats"), ("GET", "/v1/config"), ("GET", "/metrics"), ("GET", "/v1/blocks/" + "00" * 16),
              ("POST", "/v1/pin"), ("POST", "/v1/unpin"), ("POST", "/v1/evict"), ("POST", "/v1/lookup"),
-             ("GET", "/v1/blocks/" + "00" * 16 + "/data")]
+             ("GET", "/v1/blocks/" + "00" * 16 + "/data"),
+             ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc")]  # the API's description too
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,15 @@ def test_the_right_token_is_accepted_everywhere(http, daemon):
     assert config["token_file"] == "<set>"
     assert TOKEN not in http.get("/v1/config", headers=auth).text, "the token never appears in the config"
     assert http.post("/v1/evict", headers=auth, json={"all": True}).status_code == 200
+
+
+def test_the_api_docs_are_served_with_the_token(http):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    doc = http.get("/openapi.json", headers=auth).json()
+    assert "/v1/stats" in doc["paths"] and "/openapi.json" not in doc["paths"]
+    for path in ("/docs", "/redoc"):
+        page = http.get(path, headers=auth)
+        assert page.status_code == 200 and "/openapi.json" in page.text
 
 
 def test_health_endpoints_need_no_token(http):

@@ -13,6 +13,7 @@ POST     /v1/evict                    keys, a namespace, or all
 GET      /v1/config                   effective config, secrets redacted
 GET      /v1/devices                  device ids (superblocks) and local paths, stripe order
 GET      /metrics                     Prometheus text exposition (or OpenMetrics)
+GET      /openapi.json, /docs, /redoc OpenAPI document, Swagger UI, ReDoc (auth like the rest)
 =======  ===========================  =================================================
 
 Every error is JSON (:mod:`.errors`); auth is :mod:`.auth`; the health, stats,
@@ -26,6 +27,7 @@ from fastapi import Depends, FastAPI, HTTPException
 
 from kvtier.daemon.admin.auth import make_auth_dependency
 from kvtier.daemon.admin.blocks import blocks_router
+from kvtier.daemon.admin.docs import docs_router
 from kvtier.daemon.admin.errors import install_error_handlers
 from kvtier.daemon.admin.routes import node_router
 from kvtier.daemon.admin.view import AdminStateView
@@ -33,7 +35,7 @@ from kvtier.daemon.admin.view import AdminStateView
 
 def build_app(view: AdminStateView) -> FastAPI:
     """The admin FastAPI app over one daemon's state."""
-    app = FastAPI(title="kvtierd admin API", version="1",
+    app = FastAPI(title="kvtierd admin API", version="1", openapi_url=None, docs_url=None, redoc_url=None,
                   description="Health, statistics, per-block info, pin/unpin, evict, config and "
                               "Prometheus metrics of one kvtierd storage node.")
     install_error_handlers(app)
@@ -45,4 +47,5 @@ def build_app(view: AdminStateView) -> FastAPI:
 
     app.include_router(node_router(view, auth))
     app.include_router(blocks_router(view, auth + [Depends(require_ready)]))
+    app.include_router(docs_router(app, auth))  # /openapi.json, /docs, /redoc: the token too
     return app
