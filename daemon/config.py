@@ -14,7 +14,9 @@ The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
     token_file = "/etc/kvtier/token"
     log_level = "info"
     max_connections = 1024
+    max_connections_per_peer = 256  # from one client address (IP)
     frame_timeout = 30.0        # seconds a peer may stall mid-frame
+    idle_timeout = 600.0        # seconds an authenticated connection may sit idle between requests
     cluster = "etcd://127.0.0.1:2379/kvtier"   # join a cluster (omit: a standalone node)
     advertise = "10.0.0.5:7410" # the data address clients dial (default: listen's)
     node_id = "node-a"          # default: made once and kept in data_dir/node-id
@@ -101,7 +103,9 @@ class DaemonConfig:
     token_file: str | None = None
     log_level: str = "info"
     max_connections: int = 1024
+    max_connections_per_peer: int = 256
     frame_timeout_s: float = 30.0
+    idle_timeout_s: float = 600.0
     cluster: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX
     advertise: str | None = None
     node_id: str | None = None
@@ -119,8 +123,13 @@ class DaemonConfig:
             raise ConfigError(f"reinsert_hits: {self.reinsert_hits} is outside 0..{REINSERT_HITS_MAX}")
         if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
             raise ConfigError(f"max_connections: {self.max_connections} is outside 1..{MAX_CONNECTIONS_LIMIT}")
+        if not 1 <= self.max_connections_per_peer <= MAX_CONNECTIONS_LIMIT:
+            raise ConfigError(f"max_connections_per_peer: {self.max_connections_per_peer} is outside "
+                              f"1..{MAX_CONNECTIONS_LIMIT}")
         if not self.frame_timeout_s > 0:
             raise ConfigError(f"frame_timeout: must be positive, got {self.frame_timeout_s}")
+        if not self.idle_timeout_s > 0:
+            raise ConfigError(f"idle_timeout: must be positive, got {self.idle_timeout_s}")
         host, _ = self.listen_address
         if self.admin != "none":
             parse_listen_address(self.admin, "admin")
@@ -219,10 +228,12 @@ def _int(name):
     return conv
 
 
-def _seconds(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"frame_timeout: expected seconds as a number, got {type(v).__name__} {v!r}")
-    return float(v)
+def _seconds(name):
+    def convert(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{name}: expected seconds as a number, got {type(v).__name__} {v!r}")
+        return float(v)
+    return convert
 
 
 def _size(name):
@@ -242,7 +253,9 @@ _TOML_KEYS = {
     "token_file": ("token_file", _str("token_file")),
     "log_level": ("log_level", _str("log_level")),
     "max_connections": ("max_connections", _int("max_connections")),
-    "frame_timeout": ("frame_timeout_s", _seconds),
+    "max_connections_per_peer": ("max_connections_per_peer", _int("max_connections_per_peer")),
+    "frame_timeout": ("frame_timeout_s", _seconds("frame_timeout")),
+    "idle_timeout": ("idle_timeout_s", _seconds("idle_timeout")),
     "cluster": ("cluster", _str("cluster")),
     "advertise": ("advertise", _str("advertise")),
     "node_id": ("node_id", _str("node_id")),
@@ -289,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", choices=LOG_LEVELS)
     ap.add_argument("--max-connections", type=int, help="open data connections allowed (default 1024)")
     ap.add_argument("--frame-timeout", type=float, help="seconds a client may stall mid-frame (default 30)")
+    ap.add_argument("--max-connections-per-peer", type=int,
+                    help="open data connections allowed from one client address (default 256)")
+    ap.add_argument("--idle-timeout", type=float,
+                    help="seconds an authenticated connection may idle between requests (default 600)")
     ap.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
                     help="join the cluster whose membership lives in this etcd (default: standalone)")
     ap.add_argument("--advertise", metavar="HOST:PORT", help="data address registered for clients (default: listen's)")
@@ -312,6 +329,7 @@ def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
         "eviction": ("eviction", str), "reinsert_hits": ("reinsert_hits", int), "listen": ("listen", str), "admin": ("admin", str),
         "token_file": ("token_file", str), "log_level": ("log_level", str),
         "max_connections": ("max_connections", int), "frame_timeout": ("frame_timeout_s", float),
+        "max_connections_per_peer": ("max_connections_per_peer", int), "idle_timeout": ("idle_timeout_s", float),
         "cluster": ("cluster", str), "advertise": ("advertise", str), "node_id": ("node_id", str),
         "lease_ttl": ("lease_ttl_s", int),
     }

@@ -79,7 +79,9 @@ class Daemon:
             host, port = self.cfg.listen_address
             server = DataServer(engine, host, port, token=lambda: state.token,
                                 region_size_bytes=self.cfg.region_size_bytes,
-                                max_connections=self.cfg.max_connections, frame_timeout_s=self.cfg.frame_timeout_s)
+                                max_connections=self.cfg.max_connections, frame_timeout_s=self.cfg.frame_timeout_s,
+                                max_connections_per_peer=self.cfg.max_connections_per_peer,
+                                idle_timeout_s=self.cfg.idle_timeout_s)
             state.data_server = server
             state.data_address = server.start()
             self.state = state

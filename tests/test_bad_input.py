@@ -158,7 +158,7 @@ def test_more_connections_than_the_limit(daemon):
             assert read_replies(s) == [p.PingReply(1)]
         with raw(daemon, hello=False) as extra:
             (error,) = read_replies(extra)
-            assert error.code == p.ErrorCode.BUSY and "limit 8" in error.message
+            assert error.code == p.ErrorCode.BUSY and "max_connections 8" in error.message
     finally:
         for s in held:
             s.close()

@@ -123,8 +123,12 @@ def _server_families(server: dict) -> Iterable[Metric]:
                             value=server.get("open_connections", 0))
     yield CounterMetricFamily("kvtier_connections", "Data-port connections accepted since start.",
                               value=server.get("total_connections", 0))
-    yield CounterMetricFamily("kvtier_rejected_connections", "Data-port connections refused (over the limit).",
+    yield CounterMetricFamily("kvtier_rejected_connections",
+                              "Data-port connections refused (over max_connections or max_connections_per_peer).",
                               value=server.get("rejected_connections", 0))
+    yield CounterMetricFamily("kvtier_idle_closed_connections",
+                              "Authenticated data-port connections closed after idle_timeout between requests.",
+                              value=server.get("idle_closed_connections", 0))
     yield CounterMetricFamily("kvtier_network_received_bytes", "Bytes received on the data port.",
                               value=server.get("bytes_in", 0))
     yield CounterMetricFamily("kvtier_network_sent_bytes", "Bytes sent on the data port.",

@@ -10,6 +10,8 @@ Before its HELLO succeeds a connection is read under the before-HELLO rule
 (``Connection(hello_first=True)``: one HELLO-sized frame, nothing allocated
 for anything else) and must say HELLO within ``hello_timeout_s`` of opening,
 so unauthenticated peers cost neither memory nor, for long, a connection slot.
+An authenticated connection that sits idle between requests for
+``idle_timeout_s`` is told so (ERROR TIMEOUT, request id 0) and closed.
 An idle connection wakes when the server stops; a busy one finishes the
 requests already received first.
 """
@@ -35,7 +37,7 @@ class ConnectionLoop:
     """Serves connections of one data server, one :meth:`serve` call per connection."""
 
     def __init__(self, handler: RequestHandler, recorder: ServerStatsRecorder, limits: p.Limits, stop: StopSignal,
-                 frame_timeout_s: float, hello_timeout_s: float):
+                 frame_timeout_s: float, hello_timeout_s: float, idle_timeout_s: float):
         self._handler = handler
         self._buffers = handler.buffers
         self._recorder = recorder
@@ -43,6 +45,7 @@ class ConnectionLoop:
         self._stop = stop
         self._frame_timeout_s = frame_timeout_s
         self._hello_timeout_s = hello_timeout_s
+        self._idle_timeout_s = idle_timeout_s
 
     def serve(self, sock: socket.socket, peer: str) -> None:
         """Serve one connection until it closes, fails or the server stops; then close it."""
@@ -55,6 +58,11 @@ class ConnectionLoop:
             log.warning("event=protocol_error peer=%s code=%s error=%s", peer, exc.code.name, exc)
             self._recorder.error(exc.code.name)
             send_error_quietly(sock, conn, exc.request_id, exc.code, str(exc))
+        except _IdleTimeout:
+            self._recorder.connection_idle_closed()
+            log.info("event=idle_timeout peer=%s timeout_s=%s", peer, self._idle_timeout_s)
+            send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
+                               f"idle for {self._idle_timeout_s} s between requests (idle_timeout): closed")
         except socket.timeout:
             self._recorder.error(p.ErrorCode.TIMEOUT.name)
             if conn.awaiting_hello:
@@ -84,13 +92,13 @@ class ConnectionLoop:
         while True:
             event = conn.next_event()
             if event is p.NEED_DATA:
-                wait_s = None
+                wait_s = None if conn.awaiting_hello else self._idle_timeout_s
                 if conn.awaiting_hello:  # one deadline for the whole HELLO, however the bytes trickle in
                     wait_s = hello_deadline - time.monotonic()
                     if wait_s <= 0:
                         raise socket.timeout("no HELLO before the deadline")
                     sock.settimeout(min(wait_s, self._frame_timeout_s))
-                if not conn.in_frame and not self._wait_for_request(sock, wait_s):
+                if not conn.in_frame and not self._wait_for_request(sock, wait_s, conn.awaiting_hello):
                     return
                 head = conn.pending_head
                 refused = None
@@ -133,13 +141,18 @@ class ConnectionLoop:
                 linger(sock)
                 return
 
-    def _wait_for_request(self, sock: socket.socket, timeout_s: float | None) -> bool:
+    def _wait_for_request(self, sock: socket.socket, timeout_s: float | None, before_hello: bool) -> bool:
         """Block until the idle connection has bytes (True) or we stop (False);
-        socket.timeout after ``timeout_s`` (None: wait as long as it takes)."""
+        after ``timeout_s`` (None: wait as long as it takes) socket.timeout
+        before HELLO, _IdleTimeout after it."""
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         poller.register(self._stop.fd, select.POLLIN)
         ready = {fd for fd, _ in poller.poll(None if timeout_s is None else max(1, int(timeout_s * 1000)))}
         if not ready:
-            raise socket.timeout(f"idle for {timeout_s} s")
+            raise socket.timeout(f"idle for {timeout_s} s") if before_hello else _IdleTimeout()
         return self._stop.fd not in ready and not self._stop.is_set()
+
+
+class _IdleTimeout(Exception):
+    """An authenticated connection sat idle between requests for the idle timeout."""

@@ -3,7 +3,10 @@
 Concurrency model: one thread per connection (:mod:`.connection_loop`). The
 engine is thread-safe and does blocking device I/O, so threads let requests
 on different connections overlap without an executor hop. A connection past
-``max_connections`` is answered BUSY and closed.
+``max_connections``, or past ``max_connections_per_peer`` from one client
+address, is answered BUSY naming the limit and closed. An authenticated
+connection idle for ``idle_timeout_s`` between requests is closed (clients
+reconnect: a pooled connection the daemon closed is dropped before use).
 
 Shutdown (:meth:`DataServer.stop`): stop accepting, wake idle connections,
 let busy ones finish the requests already received, then return; the caller
@@ -11,6 +14,7 @@ then seals and syncs the engine.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import select
 import socket
@@ -31,6 +35,7 @@ LISTEN_BACKLOG = 512  # pending connections the kernel queues
 HELLO_TIMEOUT_S = 5.0  # from accept to a successful HELLO (a client sends it first thing): an idle or
 # trickling unauthenticated peer gives its connection slot back this soon (or at the frame timeout, if shorter)
 SHUTDOWN_GRACE_S = 30.0  # how long stop() waits for in-flight requests
+IDLE_TIMEOUT_S_DEFAULT = 600.0  # an authenticated connection idle this long gives its slot back
 
 
 class DataServer:
@@ -39,9 +44,12 @@ class DataServer:
     def __init__(self, engine, host: str, port: int, *, token=lambda: None, region_size_bytes: int,
                  max_connections: int = 1024, frame_timeout_s: float = 30.0,
                  payload_bytes_max: int = p.PAYLOAD_BYTES_MAX, hello_timeout_s: float | None = None,
-                 reply_arenas: ReplyArenas | None = None):
+                 reply_arenas: ReplyArenas | None = None, max_connections_per_peer: int | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S_DEFAULT):
         self._host, self._port = host, port
         self._max_connections = max_connections
+        self._max_per_peer = max_connections if max_connections_per_peer is None else max_connections_per_peer
+        self._per_peer: collections.Counter[str] = collections.Counter()
         self._limits = p.Limits(payload_bytes_max=payload_bytes_max,
                                 block_bytes_max=min(engine.block_size_max_bytes, payload_bytes_max))
         self._recorder = ServerStatsRecorder()
@@ -50,7 +58,7 @@ class DataServer:
         self._stop = StopSignal()
         self._connections = ConnectionLoop(
             self._handler, self._recorder, self._limits, self._stop, frame_timeout_s,
-            min(HELLO_TIMEOUT_S, frame_timeout_s) if hello_timeout_s is None else hello_timeout_s)
+            min(HELLO_TIMEOUT_S, frame_timeout_s) if hello_timeout_s is None else hello_timeout_s, idle_timeout_s)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
@@ -117,30 +125,42 @@ class DataServer:
             listener.close()
 
     def _admit(self, sock: socket.socket, addr) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
+        peer, host = f"{addr[0]}:{addr[1]}", addr[0]
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
-            over = len(self._threads) >= self._max_connections
-            if not over:
-                t = threading.Thread(target=self._serve, args=(sock, peer), name=f"kvtierd-conn-{peer}", daemon=True)
+            refusal = self._refusal(host)
+            if refusal is None:
+                t = threading.Thread(target=self._serve, args=(sock, peer, host), name=f"kvtierd-conn-{peer}",
+                                     daemon=True)
                 self._threads.add(t)
-        if over:
+                self._per_peer[host] += 1
+        if refusal is not None:
             self._recorder.connection_rejected()
             self._recorder.error(p.ErrorCode.BUSY.name)
-            log.warning("event=connection_refused peer=%s reason=over_limit limit=%d", peer, self._max_connections)
-            threading.Thread(target=self._refuse, args=(sock,), name="kvtierd-refuse", daemon=True).start()
+            log.warning("event=connection_refused peer=%s reason=%s", peer, refusal)
+            threading.Thread(target=self._refuse, args=(sock, refusal), name="kvtierd-refuse", daemon=True).start()
             return
         self._recorder.connection_opened()
         t.start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _refusal(self, host: str) -> str | None:
+        """Why a new connection from ``host`` is refused, or None (under self._lock)."""
+        if len(self._threads) >= self._max_connections:
+            return f"too many connections (max_connections {self._max_connections})"
+        if self._per_peer[host] >= self._max_per_peer:
+            return f"too many connections from {host} (max_connections_per_peer {self._max_per_peer})"
+        return None
+
+    def _serve(self, sock: socket.socket, peer: str, host: str) -> None:
         try:
             self._connections.serve(sock, peer)
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
+                self._per_peer[host] -= 1
+                if not self._per_peer[host]:
+                    del self._per_peer[host]
 
-    def _refuse(self, sock: socket.socket) -> None:
+    def _refuse(self, sock: socket.socket, message: str) -> None:
         with sock:
-            send_error_quietly(sock, p.Connection(p.Role.SERVER), 0, p.ErrorCode.BUSY,
-                               f"too many connections (limit {self._max_connections})")
+            send_error_quietly(sock, p.Connection(p.Role.SERVER), 0, p.ErrorCode.BUSY, message)

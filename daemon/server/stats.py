@@ -38,6 +38,7 @@ class ServerStatistics:
     open_connections: int
     total_connections: int
     rejected_connections: int
+    idle_closed_connections: int
     requests: Mapping[str, int]  # op name -> count
     errors: Mapping[str, int]  # error code name -> count
     bytes_in: int
@@ -51,7 +52,8 @@ class ServerStatistics:
         """Plain JSON-able form (the STATS reply)."""
         return {
             "open_connections": self.open_connections, "total_connections": self.total_connections,
-            "rejected_connections": self.rejected_connections, "requests": dict(self.requests),
+            "rejected_connections": self.rejected_connections,
+            "idle_closed_connections": self.idle_closed_connections, "requests": dict(self.requests),
             "errors": dict(self.errors), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "latency": {op: {"bounds_s": list(h.bounds_s), "cumulative_counts": list(h.cumulative_counts),
                              "count": h.count, "sum_s": h.sum_s} for op, h in self.latency.items()},
@@ -80,7 +82,7 @@ class ServerStatsRecorder:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._open = self._total = self._rejected = 0
+        self._open = self._total = self._rejected = self._idle_closed = 0
         self._requests: dict[str, int] = {}
         self._errors: dict[str, int] = {}
         self._bytes_in = self._bytes_out = 0
@@ -100,6 +102,10 @@ class ServerStatsRecorder:
     def connection_rejected(self) -> None:
         with self._lock:
             self._rejected += 1
+
+    def connection_idle_closed(self) -> None:
+        with self._lock:
+            self._idle_closed += 1
 
     def request_done(self, op: str, seconds: float, bytes_in: int, bytes_out: int) -> None:
         with self._lock:
@@ -136,6 +142,7 @@ class ServerStatsRecorder:
         with self._lock:
             return ServerStatistics(
                 open_connections=self._open, total_connections=self._total, rejected_connections=self._rejected,
+                idle_closed_connections=self._idle_closed,
                 requests=MappingProxyType(dict(self._requests)), errors=MappingProxyType(dict(self._errors)),
                 bytes_in=self._bytes_in, bytes_out=self._bytes_out,
                 latency=MappingProxyType({op: h.snapshot() for op, h in self._latency.items()}),
