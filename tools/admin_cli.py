@@ -13,6 +13,7 @@
     evict (KEY... | --namespace-id HEX | --namespace NS.json | --all)
     config                         the daemon's effective config (secrets redacted)
     cluster status [--cluster etcd://HOST:PORT/PREFIX]   members, leases, per-node figures
+    nvmeof export|unexport|connect ...   NVMe-oF: nvmet configfs export, nvme connect + device map
     fsck  [--device P]... [--repair]   offline: scan a STOPPED store's regions
     format [--device P]... [--force]   offline: write a new, empty store
 
@@ -39,6 +40,7 @@ from kvtier.common import tokens as auth_tokens
 from kvtier.common.codec_ids import OPAQUE_CODEC_ID, codec_id
 from kvtier.tools.admin_client import DEFAULT_ADMIN_ADDRESS, AdminClient, AdminError
 from kvtier.tools.admin_render import render_block_info, render_stats, render_status
+from kvtier.tools.nvmeof.cli import add_nvmeof_parser
 
 DEFAULT_CONFIG_PATH = "/etc/kvtier/kvtierd.toml"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -403,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = csub.add_parser("status", help="members, addresses, lease TTLs and per-node figures")
     cp.add_argument("--cluster", metavar="etcd://HOST:PORT/PREFIX", help="the cluster's etcd URL")
     cp.set_defaults(fn=cmd_cluster_status)
+    add_nvmeof_parser(sub)
     sp = sub.add_parser("fsck", help="offline check of a stopped store")
     _add_store(sp)
     sp.add_argument("--repair", action="store_true", help="drop bad entries")
