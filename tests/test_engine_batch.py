@@ -12,7 +12,7 @@ from kvtier.daemon.engine.locations import LOCATION_DTYPE
 from kvtier.common.aligned import aligned_buffer
 from kvtier.daemon.engine.index import PINNED_BIT
 
-from test_engine import NS, PAYLOAD_5_PER_REGION, block, fill, key, mem_engine, present, same_block
+from test_engine import NS, PAYLOAD_5_PER_REGION, block, fill, key, mem_engine, present, same_block, seal
 
 PAGE = 4096
 
@@ -32,7 +32,10 @@ def oracle_locate(engine, keys) -> list[BlockLocation | None]:
             out.append(None)
             continue
         addr = int(engine._index.addr[slot])
-        sealed = engine._allocator.image_of(addr // engine.region_size_bytes) is None
+        region = addr // engine.region_size_bytes
+        image = engine._allocator.image_of(region)  # in a DRAM image: on flash only up to its durable end
+        sealed = image is None or addr - region * engine.region_size_bytes + int(engine._index.length[slot]) \
+            <= image.durable_end
         out.append(BlockLocation(addr, int(engine._index.length[slot]), engine._blocks.seq_of(slot), sealed))
     return out
 
@@ -59,7 +62,8 @@ def test_locate_many_matches_the_per_key_oracle_in_every_state(busy):
     got = busy.locate_many(keys)
     assert got == oracle_locate(busy, keys)
     assert [g is None for g in got] == [False, False, True, True, False, False, False, True, False, False, True]
-    assert [g.sealed for g in got if g] == [False, True, True, False, True, True, True]
+    # the open region's blocks are on flash too: the delete and pin records' commit wrote it in place
+    assert [g.sealed for g in got if g] == [True] * 7
 
 
 def test_locate_buffer_rows_are_the_locations(busy):
@@ -117,7 +121,7 @@ def test_get_into_an_aligned_buffer_reads_straight_into_it():
     engine, _, _ = mem_engine(regions=4)
     sent = {i: page_block(i, 16) for i in range(6)}  # 64 KiB blocks at page-aligned offsets
     engine.put_many(list(sent.values()))
-    engine.flush()
+    seal(engine)
 
     def no_pool(nbytes):
         raise AssertionError("the direct path must not take a pooled buffer")
@@ -181,7 +185,7 @@ def test_get_many_placed_reads_unaligned_blocks_straight_into_the_buffer():
     engine, _, _ = mem_engine(regions=4)
     sent = {i: odd_block(i, 3 * PAGE + 1000 + 77 * i) for i in range(6)}
     engine.put_many(list(sent.values()))
-    engine.flush()
+    seal(engine)
     sent[6] = odd_block(6, 5000)
     engine.put(sent[6])  # in the open region: copied, at offset 0
     ids = [5, 0, 6, 3, 99, 1]
@@ -210,7 +214,7 @@ def test_get_many_placed_copies_to_offset_zero_when_the_buffer_is_small_or_unali
     engine, _, _ = mem_engine(regions=4)
     first, second = odd_block(1, 2 * PAGE + 100), odd_block(2, 2 * PAGE + 300)
     engine.put_many([first, second])
-    engine.flush()
+    seal(engine)
     exact = bytearray(len(second))  # holds the block, not its aligned range
     odd = memoryview(bytearray(4 * PAGE + 1))[1:]  # room enough, not page-aligned
     assert engine.get_many_placed([key(2), key(2)], [exact, odd]) == [(0, len(second))] * 2
@@ -228,7 +232,7 @@ def test_placed_reads_leave_the_payload_crc_to_the_reader_unless_asked(verify_pa
     engine, _, devs = mem_engine(regions=4, devices=1)
     blocks = [odd_block(i, 2 * PAGE + 500) for i in range(3)]
     engine.put_many(blocks)
-    engine.flush()
+    seal(engine)
     payload_loc, header_loc = engine.locate_many([key(1), key(2)])
     for loc, at in ((payload_loc, HEADER_SIZE + 10), (header_loc, 20)):
         devs[0].data[engine.geometry.map_range(loc.logical_offset + at, 1)[0][1]] ^= 0xFF
@@ -252,7 +256,7 @@ def test_a_corrupt_block_read_into_a_callers_buffer_is_a_miss():
     engine, _, devs = mem_engine(regions=4, devices=1)
     engine.put(page_block(1, 4))
     engine.put(page_block(2, 4))
-    engine.flush()
+    seal(engine)
     loc = engine.locate_many([key(1)])[0]
     dev_off = engine.geometry.map_range(loc.logical_offset + HEADER_SIZE + 10, 1)[0][1]
     from kvtier.daemon.engine.superblock import DATA_OFFSET_BYTES
@@ -268,9 +272,9 @@ def test_a_corrupt_block_read_into_a_callers_buffer_is_a_miss():
 
 # -- exact order and bookkeeping of the vectorized paths -------------------------
 def test_a_batch_read_touches_regions_in_the_order_of_their_last_block():
-    engine, _, _ = mem_engine(regions=4, eviction="lru")
-    fill(engine, range(20))  # regions 0..3 hold 0-4, 5-9, 10-14, 15-19 (3 is open)
-    engine.flush()
+    engine, _, _ = mem_engine(regions=5, eviction="lru")
+    fill(engine, range(20))  # regions 0..3 hold 0-4, 5-9, 10-14, 15-19 (3 is open, 4 the clean reserve)
+    seal(engine)
     engine.get_many([key(1), key(6), key(2), key(11)])  # last touches: 0 (key 2), then 2 (key 11)
     assert list(engine._table.policy.candidates())[-3:] == [1, 0, 2]
     fill(engine, [20])  # reclaims the LRU region: 3 (sealed by the flush, never read)

@@ -14,7 +14,7 @@ from kvtier.daemon.engine import DeviceError, Engine
 from kvtier.daemon.engine import put_reservations
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
 
-from test_engine import block, key, mem_engine, present, same_block
+from test_engine import block, key, mem_engine, present, same_block, seal
 from test_engine_crash_safety import check_every_crash_state, one_device_store, record_from_here
 
 
@@ -109,7 +109,7 @@ def test_writers_wait_for_the_reservation_in_flight_and_the_region_is_sealed_aft
     reservation = reserve(engine, blocks)
     done = []
     writers = [threading.Thread(target=lambda: done.append(engine.put(block(5, 1000)))),
-               threading.Thread(target=lambda: done.append(engine.flush()))]
+               threading.Thread(target=lambda: done.append(seal(engine)))]
     for t in writers:
         t.start()
     writers[0].join(0.3)
@@ -180,7 +180,7 @@ def test_a_device_error_at_the_seal_a_commit_waits_for_is_raised_and_nothing_sta
         engine.commit_put(reservation, durable=True)
     for d in faulty:
         d.fail_writes = False
-    engine.flush()  # does not wait forever: the reservation was resolved
+    seal(engine)  # does not wait forever: the reservation was resolved
     assert engine.statistics().device_errors >= 1
     assert put_in_place(engine, [block(2, 1000)], durable=True)
     engine.close()
@@ -214,7 +214,7 @@ def test_every_crash_state_after_an_abort_keeps_acknowledged_blocks_and_no_abort
     fill_into(reservation, aborted)
     engine.abort_put(reservation)
     put_in_place(engine, [block(5, 2000)], durable=True)  # lands where the aborted frame did
-    engine.flush()
+    seal(engine)
 
     def check(engine, label):
         assert present(engine, [1, 2]) == [1, 2], f"an acknowledged block was lost ({label})"

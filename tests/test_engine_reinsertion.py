@@ -11,10 +11,10 @@ from kvtier.daemon.engine.devices import MemoryDevice
 from kvtier.daemon.engine.reinsertion import HitsReinsertion, NoReinsertion, make_reinsertion
 from kvtier.daemon.engine.superblock import DATA_OFFSET_BYTES
 
-from test_engine import PAYLOAD_5_PER_REGION, REGION, block, fill, key, present, same_block
+from test_engine import PAYLOAD_5_PER_REGION, REGION, block, fill, key, present, same_block, seal
 
 
-def hot_engine(hits_min: int, regions: int = 4):
+def hot_engine(hits_min: int, regions: int = 5):  # 4 regions of blocks, 1 the clean reserve
     cfg = EngineConfig(device_paths=("mem0", "mem1"), stripe_size_bytes=REGION // 4, region_size_bytes=REGION,
                        eviction="fifo", reinsertion_hits_min=hits_min)
     devs = [MemoryDevice(DATA_OFFSET_BYTES + regions * REGION // 2, f"mem{i}") for i in range(2)]
@@ -69,7 +69,7 @@ def test_the_hottest_block_of_a_reclaimed_region_is_moved_in_exact_order():
     fill(engine, [20])  # reclaims region 0: room for one 200 KB block (a quarter of a region): the hottest, 4
     assert present(engine, range(21)) == [4] + list(range(5, 21))
     info = engine.block_info(key(4))
-    assert info["region"] == 0 and info["seq"] > old_seq and not info["pinned"]
+    assert info["region"] == 4 and info["seq"] > old_seq and not info["pinned"]  # compacted into the reserve
     assert info["seq"] < engine.block_info(key(20))["seq"]  # moved first, then the put that needed room
     assert same_block(engine.get(key(4)), block(4, PAYLOAD_5_PER_REGION))
     st = engine.statistics()
@@ -119,7 +119,7 @@ def test_pinned_and_hot_blocks_move_together_in_region_order_and_survive_a_resta
 
 
 def test_hot_blocks_never_stop_a_reclaim_from_freeing_room():
-    engine, _, _ = hot_engine(hits_min=1, regions=5)
+    engine, _, _ = hot_engine(hits_min=1, regions=6)
     small = HEADER_SIZE + 20_000
     for i in range(600):
         engine.put(block(i, 20_000))

@@ -14,7 +14,7 @@ from kvtier.daemon.engine.regions import RegionState
 from kvtier.daemon.engine.superblock import DATA_OFFSET_BYTES
 
 from test_engine import NS as NS_DEFAULT
-from test_engine import PAYLOAD_5_PER_REGION, block, key, mem_engine, present, same_block
+from test_engine import PAYLOAD_5_PER_REGION, block, key, mem_engine, present, same_block, seal
 
 MiB = 1 << 20
 
@@ -75,15 +75,15 @@ def test_newest_seq_wins_and_deletes_pins_namespaces_last_after_flush():
     engine, cfg, devs = mem_engine(regions=6)
     engine.put_many([block(i, 1000) for i in range(10)])
     engine.put(block(20, 1000, ns=b"z" * 16))
-    engine.flush()
+    seal(engine)
     engine.delete_many([key(1), key(2)])
     engine.pin_many([key(3), key(4)])
     engine.unpin_many([key(4)])
     engine.delete_namespace(b"z" * 16)
-    engine.flush()
+    seal(engine)
     engine.put(block(2, 1000))  # re-put after delete: newer than the tombstone
     engine.put(block(20, 1000, ns=b"z" * 16))  # newer than the namespace tombstone
-    engine.flush()
+    seal(engine)
     engine = reopen(cfg, devs)
     assert present(engine, range(10)) == [0, 2, 3, 4, 5, 6, 7, 8, 9] and present(engine, [20]) == [20]
     assert engine.block_info(key(3))["pinned"] and not engine.block_info(key(4))["pinned"]
@@ -104,7 +104,7 @@ def test_pins_and_tombstones_are_carried_across_reclaims():
 def test_delete_all_lasts_without_flush():
     engine, cfg, devs = mem_engine()
     engine.put_many([block(i) for i in range(10)])
-    engine.flush()
+    seal(engine)
     assert engine.delete_all() == 10
     engine = reopen(cfg, devs)
     assert engine.statistics().blocks == 0
@@ -140,7 +140,7 @@ def test_torn_seal_keeps_durable_blocks():
     devs[1].arm_torn_write(1000)  # the seal's write tears ...
     devs[1].writes_until_failure = 1  # ... and its retry fails: the process "dies" mid-seal
     with pytest.raises(DeviceError):
-        engine.flush()
+        seal(engine)
     engine = reopen(cfg, devs)
     assert present(engine, range(3)) == [0, 1, 2]
     assert all(engine.get(key(i)) is None or same_block(engine.get(key(i)), block(i, PAYLOAD_5_PER_REGION))
@@ -154,7 +154,7 @@ def test_a_failed_background_seal_is_retried():
     engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in range(5)])
     devs[0].arm_torn_write(4096)
     engine.put(block(5, PAYLOAD_5_PER_REGION))  # region 0 full: sealed in the background, tears, retried
-    engine.flush()
+    seal(engine)
     assert engine.statistics().device_errors == 1
     engine = reopen(cfg, devs)
     assert all(same_block(engine.get(key(i)), block(i, PAYLOAD_5_PER_REGION)) for i in range(6))
@@ -165,7 +165,7 @@ def test_device_read_errors_are_misses_counted_as_device_errors():
     devs = [FaultyDevice(d) for d in mem]
     engine = Engine.open(cfg, devices=devs)
     engine.put(block(1, 5000))
-    engine.flush()
+    seal(engine)
     for d in devs:
         d.fail_reads = True
     assert engine.get(key(1)) is None
@@ -180,7 +180,7 @@ def test_flipped_payload_byte_in_a_device_file_is_a_miss_never_data(tmp_path):
     cfg = file_cfg(tmp_path)
     engine = Engine.open(cfg, create_if_missing=True)
     engine.put_many([block(i, 50_000) for i in range(10)])
-    engine.flush()
+    seal(engine)
     dev, off = device_file_offset(engine, key(4), HEADER_SIZE + 1000)
     engine.close()
     flip_byte(cfg.device_paths[dev], off)
@@ -197,7 +197,7 @@ def test_flipped_summary_byte_falls_back_to_scanning_the_region(tmp_path):
     cfg = file_cfg(tmp_path)
     engine = Engine.open(cfg, create_if_missing=True)
     engine.put_many([block(i, 50_000) for i in range(10)])
-    engine.flush()
+    seal(engine)
     loc = engine.locate_many([key(0)])[0]
     region_end = (loc.logical_offset // cfg.region_size_bytes + 1) * cfg.region_size_bytes
     dev, off, _ = engine.geometry.map_range(region_end - 100, 1)[0]
@@ -212,7 +212,7 @@ def test_fsck_finds_and_repairs_a_corrupt_block(tmp_path):
     cfg = file_cfg(tmp_path)
     engine = Engine.open(cfg, create_if_missing=True)
     engine.put_many([block(i, 50_000) for i in range(10)])
-    engine.flush()
+    seal(engine)
     engine.put(block(10, 1000), durable=True)  # left in an open region
     dev, off = device_file_offset(engine, key(2), HEADER_SIZE + 10)
     region = engine.block_info(key(2))["region"]
@@ -322,9 +322,9 @@ def test_create_if_missing_never_formats_over_a_partly_present_store(tmp_path):
 
 def test_recovery_keeps_the_newest_copy_of_a_reinserted_pinned_block():
     engine, cfg, devs = mem_engine(regions=4)
-    engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in range(20)])
+    engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in range(15)])  # regions 0-2, 3 the clean reserve
     engine.pin_many([key(2)])
-    engine.put(block(20, PAYLOAD_5_PER_REGION))  # region 0 reclaimed, block 2 moved
+    engine.put(block(15, PAYLOAD_5_PER_REGION))  # region 0 reclaimed, block 2 moved
     seq = engine.block_info(key(2))["seq"]
     engine.close()
     engine = reopen(cfg, devs)
@@ -349,7 +349,7 @@ def test_a_key_put_deleted_and_put_again_in_one_region_recovers_the_last_copy():
 def test_pins_and_deletes_outlive_a_crash_before_the_next_seal():
     engine, cfg, devs = mem_engine(regions=6)
     engine.put_many([block(i, 1000, ns=(b"q" * 16 if i >= 8 else NS_DEFAULT)) for i in range(10)])
-    engine.flush()
+    seal(engine)
     engine.pin_many([key(1), key(2)])
     engine.unpin_many([key(2)])
     engine.delete_many([key(3)])
@@ -361,9 +361,9 @@ def test_pins_and_deletes_outlive_a_crash_before_the_next_seal():
 
 def test_a_reinserted_pinned_block_stays_pinned_after_a_crash():
     engine, cfg, devs = mem_engine(regions=4)
-    engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in range(20)])
+    engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in range(15)])  # regions 0-2, 3 the clean reserve
     engine.pin_many([key(2)])
-    engine.put(block(20, PAYLOAD_5_PER_REGION))  # region 0 reclaimed: block 2 moved into the open region
+    engine.put(block(15, PAYLOAD_5_PER_REGION))  # region 0 reclaimed: block 2 moved into the open region
     seq = engine.block_info(key(2))["seq"]
     engine = reopen(cfg, devs)  # crashed before that region was sealed
     info = engine.block_info(key(2))

@@ -16,12 +16,16 @@ Modules, one job each:
 * :mod:`.reinsertion`      which hot blocks a reclaim moves instead of dropping
 * :mod:`.index`            compact key -> location hash table (NumPy)
 * :mod:`.blockmap`         the index and the region table kept in step: a block's seq, dropping blocks
+* :mod:`.block_events`     the listener hook told of blocks stored, removed, all cleared
 * :mod:`.seqs`             sequence numbers
 * :mod:`.allocator`        the open region, its spare image, seal
 * :mod:`.region_manager`   reclaim, eviction and reinsertion over the region pool
 * :mod:`.durability`       what is written and synced, in which order
 * :mod:`.get_driver`       every GET: DRAM images, flash reads, retries
 * :mod:`.pins_and_deletes` deletes and pins with their durable records
+* :mod:`.soft_pins`        pins with a TTL, in memory only
+* :mod:`.take_back`        what a failed request appended, taken back (all or nothing)
+* :mod:`.no_space`         the one-line text of a NoSpaceError from reclaim
 * :mod:`.recovery`         finding every region's entries on flash, picking the live blocks
 * :mod:`.rebuild`          the index and region table rebuilt at open
 * :mod:`.fsck`             offline check (and repair) of a stopped store
@@ -33,9 +37,9 @@ Modules, one job each:
 """
 from .config import EngineConfig
 from .engine import Engine
-from .errors import BlockTooLargeError, DeviceError, EngineError, GeometryError, NoSpaceError
+from .errors import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError, NoSpaceError
 from .locations import LOCATION_DTYPE, BlockLocation
 from .statistics import EngineStatistics
 
 __all__ = ["BlockTooLargeError", "Engine", "EngineConfig", "EngineStatistics", "BlockLocation", "LOCATION_DTYPE",
-           "EngineError", "NoSpaceError", "GeometryError", "DeviceError"]
+           "EngineError", "EngineFailedError", "NoSpaceError", "GeometryError", "DeviceError"]

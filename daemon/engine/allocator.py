@@ -6,11 +6,18 @@
                    ^                                                               │
                    └──────────────── the written image is the next spare <─────────┘
 
-At most one seal is in flight. A region opened while it is in flight has its header write
-queued behind it on the sealer thread. A failed seal or header write is retried in the
-thread that reaps it, and raised if it fails again. When no region is free, the region
-manager reclaims one (:attr:`Allocator.reclaim`). Callers hold the engine lock, except
-for :meth:`Allocator.await_seal_for`.
+At most one seal is in flight. A new region's header write goes to the sealer thread too
+(behind the seal in flight, if any), so no device write happens under the engine lock. A
+failed seal or header write is retried in the thread that reaps it, and raised if it fails
+again. A new region comes from the region manager's clean-region pool
+(:attr:`Allocator.take_clean`), which a background worker keeps filled; a writer waits there
+only when the pool is empty. Callers hold the engine lock, except for
+:meth:`Allocator.await_seal_for`.
+
+``writes_issued`` counts seals and region headers handed to the sealer; ``writes_synced`` is
+the count the devices were last synced after (see :mod:`.durability`). An image that a
+durability write is reading from outside the lock is pinned (``OpenRegion.io_pins``) and is
+not reset until that write is done.
 
 A PUT received in place holds a reservation of the open image (:attr:`Allocator.reservation`,
 at most one, see :mod:`.put_reservations`); until it is committed or aborted the open image
@@ -19,6 +26,7 @@ takes no other append and is not sealed: every other writer first waits for it
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,12 +39,14 @@ from . import regionfmt as fmt
 from .blockmap import BlockMap
 from .durability import write_and_sync
 from .errors import DeviceError
-from .index import PINNED_BIT, SEQ_DELTA_MAX
+from .index import SEQ_DELTA_MAX
 from .openregion import OpenRegion
 from .raid0 import StripedArray
 from .recovery import seq_span_max
 from .seqs import SeqCounter
 from .statistics import EngineCounters
+
+log = logging.getLogger("kvtier.daemon.engine")
 
 
 class Allocator:
@@ -56,11 +66,15 @@ class Allocator:
         self._header_write: tuple[list, Future] | None = None  # a region header queued behind the seal
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")
         self.active = False  # whether self.open holds a region
-        self.unsynced_writes = 0  # seals and region headers written since the devices were last synced
-        # the region manager's reclaim, wired by the engine: called when no region is free
-        self.reclaim: Callable[[], None] | None = None
+        self.writes_issued = 0  # seals and region headers handed to the sealer thread so far
+        self.writes_synced = 0  # of those, how many the devices were last synced after
+        # the region manager's clean-region pool, wired by the engine: take_clean(use_reserve) returns a
+        # clean region, waiting (the lock let go) while the pool is empty, or raises NoSpaceError
+        self.take_clean: Callable[..., int | None] | None = None
+        self.give_back_clean: Callable[[int], None] | None = None
         self.reservation = None  # the PUT being received into the open image (put_reservations.Reservation)
         self._unreserved = threading.Condition(lock)  # notified when the reservation is committed or aborted
+        self._rolling: dict[tuple[int, int], int] = {}  # (region, base_seq) -> writers waiting to roll over from it
 
     def wait_unreserved(self, timeout_s: float | None = None) -> bool:
         """Return (holding the engine lock, which the caller holds) once no reservation is in flight,
@@ -78,13 +92,63 @@ class Allocator:
         """Room for blocks in an empty region."""
         return self.open.capacity_bytes
 
-    def ensure_room(self, block_bytes: int, entries: int = 1) -> None:
-        if self.active and self.open.room_for(block_bytes, entries):
-            return
-        self.next_region()
-        if not self.open.room_for(block_bytes, entries):
-            self.next_region()  # blocks moved out of a reclaimed region took the room: one more region
+    @property
+    def unsynced_writes(self) -> int:
+        """Seals and region headers issued since the devices were last synced."""
+        return self.writes_issued - self.writes_synced
+
+    def mark_synced(self, issued: int) -> None:
+        """The devices were synced after the first ``issued`` seals and headers had completed."""
+        self.writes_synced = max(self.writes_synced, issued)
+
+    def ensure_room(self, block_bytes: int, entries: int = 1, use_reserve: bool | None = None) -> None:
+        """Make the open region one with room for a block of ``block_bytes`` and ``entries`` summary
+        entries, sealing it and opening a clean region if needed. Waiting for a clean region (or for
+        a reservation in flight) lets go of the lock: callers decide again on return. Metadata
+        records (``block_bytes`` 0) may take the region the pool keeps for reclaim's compaction
+        (``use_reserve``): they are tiny, and a reclaim may be what they wait for."""
+        if use_reserve is None:
+            use_reserve = block_bytes == 0
+        while not (self.reservation is None and self.appendable(block_bytes, entries)):
+            if self.reservation is not None:
+                self.wait_unreserved()
+                continue
+            assert self.take_clean is not None, "no region manager wired to the allocator"
+            # while this waits for a clean region (the lock let go), nobody appends to the open image:
+            # what a caller marked in it for taking back (take_back) stays only its own
+            rolling = self._roll_from()
+            try:
+                region = self.take_clean(use_reserve, lambda: self.appendable(block_bytes, entries))
+            finally:
+                self._rolling[rolling] -= 1
+                if not self._rolling[rolling]:
+                    del self._rolling[rolling]
+            if region is None:
+                continue  # room was made meanwhile
+            if self.reservation is not None or self.appendable(block_bytes, entries):
+                self.give_back_clean(region)
+                continue
+            self.open_region(region)
         assert self.open.room_for(block_bytes, entries), (block_bytes, self.open.data_end)
+
+    def appendable(self, block_bytes: int, entries: int = 1) -> bool:
+        """Whether the open region takes an append of this size now: it has room and no writer is
+        waiting to roll over from it (see :meth:`ensure_room`)."""
+        return self.active and (self.open.region, self.open.base_seq) not in self._rolling and \
+            self.open.room_for(block_bytes, entries)
+
+    def _roll_from(self) -> tuple[int, int]:
+        key = (self.open.region, self.open.base_seq) if self.active else (-1, -1)
+        self._rolling[key] = self._rolling.get(key, 0) + 1
+        return key
+
+    def open_region(self, region: int) -> None:
+        """Seal the open region (if any) and open ``region``, a clean one (given back to the pool if
+        another writer opened one while this waited for the image to be free)."""
+        if self.active:
+            self.seal(wait=False)
+        if not self.start_region(region):
+            self.give_back_clean(region)
 
     def seal(self, wait: bool) -> None:
         """Seal the open region: its image goes to the sealer thread (one seal in flight at most)
@@ -99,13 +163,18 @@ class Allocator:
             f"region {image.region}: seq span {image.last_seq - image.base_seq} exceeds its entry slots"
         base = image.region * self._region_size
         writes = [(base + start, image.buffer[start:end]) for start, end in image.seal_ranges()]
-        self.sealing = (image, writes, self._sealer.submit(self._array.write_ranges, writes))
+        self.sealing = (image, writes, self._sealer.submit(self._seal_write, image, writes))
         self._table.seal_started(image.region)
-        self.unsynced_writes += 1
+        self.writes_issued += 1
         self.open, self._spare = self._spare, None
         self.active = False
         if wait:
             self.reap_seal(wait=True)
+
+    def _seal_write(self, image: OpenRegion, writes: list) -> set[int]:
+        """On the sealer thread: after any commit still writing older copies of these pages."""
+        image.wait_io_idle()
+        return self._array.write_ranges(writes)
 
     def reap_seal(self, wait: bool) -> None:
         """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED.
@@ -114,14 +183,14 @@ class Allocator:
         self._reap_seal_write(wait)
         if self.sealing is None and self._header_write is not None:
             ranges, fut = self._header_write
-            if not wait and not fut.done():
-                return
-            self._header_write = None
+            if not wait and (not fut.done() or fut.exception() is not None):
+                return  # a failed header write is retried by the next caller that must wait
             try:
                 fut.result()
             except DeviceError:
                 self._counters.device_errors += 1
-                write_and_sync(self._array, ranges, self._counters)
+                write_and_sync(self._array, ranges, self._counters)  # raises again: still owed, retried next time
+            self._header_write = None
 
     def _reap_seal_write(self, wait: bool) -> None:
         if self.sealing is None:
@@ -152,6 +221,14 @@ class Allocator:
             return self.sealing[0]
         return None
 
+    def image_durable_ends(self) -> list[int]:
+        """For each of :meth:`image_regions`: the bytes of its image already written in place and
+        synced (a block that ends there can be read from flash)."""
+        ends = [self.open.durable_end] if self.active else []
+        if self.sealing is not None:
+            ends.append(self.sealing[0].durable_end)
+        return ends
+
     def image_regions(self) -> list[int]:
         """The regions held in a DRAM image: the open one, the one being sealed."""
         regions = [self.open.region] if self.active else []
@@ -159,21 +236,15 @@ class Allocator:
             regions.append(self.sealing[0].region)
         return regions
 
-    def next_region(self) -> None:
-        """Seal the open region (if any) and open a free one, or have the region manager reclaim one."""
-        region = self._table.take_free()
-        if region is None:
-            assert self.reclaim is not None, "no region manager wired to the allocator"
-            self.reclaim()
-            return
-        if self.active:
-            self.seal(wait=False)
-        self.start_region(region)
-
-    def start_region(self, region: int) -> None:
+    def start_region(self, region: int) -> bool:
+        """Open ``region``; False if another writer opened one meanwhile (the lock was let go)."""
         assert not self.active
-        if self._header_write is not None:  # the image may be the one whose header is queued (staging)
+        if self._header_write is not None:
             self.reap_seal(wait=True)
+        # a durability write may still read this image (it was the open one two regions ago): rare
+        self.open.wait_io_idle()
+        if self.active:
+            return False
         base_seq = self._seqs.take()
         header = self.open.reset(region, base_seq, self.generation)
         self._table.open(region, base_seq, time.time())
@@ -193,31 +264,42 @@ class Allocator:
         # * the seal's summary and trailer: recovery takes a valid trailer newer than the header
         #   as the region's (recovery._classify).
         # Nothing that must outlive the old region is still only there (see RegionManager.reclaim).
-        # While a seal is in flight the header write queues behind it on the sealer thread (the
-        # seal goes to flash first, as it was issued first); reap_seal finishes both.
+        # The header write goes to the sealer thread, behind the seal in flight if any (the seal
+        # goes to flash first, as it was issued first); reap_seal finishes both.
         ranges = [(region * self._region_size, self.open.buffer[:fmt.REGION_HEADER_BYTES])]
-        if self.sealing is not None:
-            self._header_write = (ranges, self._sealer.submit(self._array.write_ranges, ranges))
-        else:
-            self._array.write_ranges(ranges)
-        self.unsynced_writes += 1
+        self._header_write = (ranges, self._sealer.submit(self._array.write_ranges, ranges))
+        self.writes_issued += 1
         self.open.durable_end = fmt.REGION_HEADER_BYTES
         assert bytes(self.open.buffer[:len(header)]) == header
+        return True
 
-    def append(self, view: memoryview, header, pinned: bool) -> int:
-        """Append one verified block (opening a region if needed) and index it; returns its seq."""
-        self.ensure_room(view.nbytes)
+    def invalidate_region(self, region: int, base_seq: int) -> None:
+        """Queue a fresh header page for a region a reclaim freed (behind the seal in flight, not
+        synced here): once it lands, a restart finds the region free instead of serving again what
+        was evicted from it. Either state on flash is safe (see RegionManager)."""
+        page = aligned_buffer(fmt.REGION_HEADER_BYTES)
+        page[:] = fmt.encode_region_header(fmt.RegionHeader(self.generation, region, base_seq))
+        self._sealer.submit(self._array.write_ranges, [(region * self._region_size, page)]).add_done_callback(
+            lambda fut: fut.exception() and log.warning("event=region_invalidate_failed region=%d reason=%r",
+                                                        region, str(fut.exception())))
+
+    def append_moved(self, view: memoryview, header, pinned: bool) -> tuple[int, int]:
+        """Append a copy of a verified block being moved by a reclaim (the open region has room);
+        returns (logical address, seq). The index is the caller's to update."""
+        assert self.active and self.reservation is None
         k0, k1 = fmt.key_to_halves(header.key)
         seq = self._seqs.take()
         region = self.open.region
         offset = self.open.append_block(view, seq, k0, k1, header.ns_id, fmt.FLAG_PINNED if pinned else 0)
         self._table.last_seq[region] = seq
         self._table.add_block(region, view.nbytes, pinned)
-        delta = seq - self.open.base_seq
-        assert delta <= SEQ_DELTA_MAX, delta
-        self._index.insert(k0, k1, region * self._region_size + offset, view.nbytes,
-                           delta | (PINNED_BIT if pinned else 0))
-        return seq
+        assert seq - self.open.base_seq <= SEQ_DELTA_MAX, seq - self.open.base_seq
+        return region * self._region_size + offset, seq
+
+    def pending_writes(self) -> list[Future]:
+        """The seal and header writes in flight (a durability promise waits for them, without the lock)."""
+        futures = [self.sealing[2]] if self.sealing is not None and self.sealing[2] is not None else []
+        return futures + ([self._header_write[1]] if self._header_write is not None else [])
 
     def await_seal_for(self, nbytes: int, entries: int) -> None:
         """A batch that will not fit the open region needs the spare image, which is free only

@@ -7,32 +7,38 @@ striped array of devices (after CacheLib Navy's block cache).
                        │ durable put: write the filled prefix + fdatasync
     get ──index──> open image (copy)  |  flash read outside the lock ──verify key, seq, CRCs──> bytes
     get_into ──index──> flash read straight into the caller's aligned buffer ──verify──> size
-    full? ──> seal, take a free region, or reclaim the policy's victim (pinned blocks, and hot
-              ones the reinsertion policy picks, are moved to the new region)
+    full? ──> seal, take a clean region from the pool that the reclaim worker keeps filled
+              (it moves pinned blocks, and hot ones the reinsertion policy picks, out of its victims)
 
 The parts, one module each: :mod:`.allocator` (the open region, its spare image, seal),
-:mod:`.region_manager` (reclaim, eviction, reinsertion), :mod:`.durability` (what is
-synced, in which order), :mod:`.get_driver` (every GET), :mod:`.pins_and_deletes`,
+:mod:`.region_manager` (the clean-region pool and its reclaim worker), :mod:`.durability`
+(group commit: what is synced, in which order), :mod:`.get_driver` (every GET), :mod:`.pins_and_deletes`,
 :mod:`.rebuild` (the index rebuilt at open), :mod:`.blockmap` (index and region table).
 
 Batch calls resolve their keys in one vectorized pass over the index (NumPy);
 ``lookup_buffer`` / ``locate_buffer`` take the keys as one N x 16-byte buffer.
 
-One lock guards the index, the region table and the open image; flash reads
-of sealed regions run outside it (a read racing a reclaim fails its key/seq
-check and is retried once, then counted as a miss).
+One lock guards the index, the region table and the open image; no device write or sync
+runs under it on the put, flush and reclaim paths: seal and region-header writes go to
+the sealer thread, durability writes to a group commit, reclaim I/O to its worker. Flash
+reads of sealed regions run outside it (a read racing a reclaim fails its key/seq check and
+is retried once, then counted as a miss).
 
 Durability: ``put(durable=True)`` returns after the block's bytes are on flash
-and synced. Deletes, pins and unpins are durable when they return (their
-summary records are written and synced). A buffered put is durable at the
-next seal (region full, ``flush``, ``close``).
+and synced (one fdatasync acknowledges every durable put waiting on it). Deletes, pins and
+unpins are durable when they return (their summary records are written and synced); soft
+pins (``pin_many(keys, ttl_s)``) live in memory only. A mutating call that raises changed
+nothing (:mod:`.take_back`); an unexpected exception makes the caller :meth:`Engine.fail`
+it closed. A buffered put is durable at the next seal or ``flush`` (which writes the open
+region's filled part in place) or ``close``.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -42,11 +48,12 @@ from kvtier.common.stripe import StripeGeometry
 
 from . import regionfmt as fmt
 from .allocator import Allocator
+from .block_events import BlockListener
 from .blockmap import BlockMap
 from .config import EngineConfig
 from .devices import Device
 from .durability import Durability
-from .errors import BlockTooLargeError, DeviceError, EngineError, GeometryError
+from .errors import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError
 from .get_driver import GetDriver
 from .index import PINNED_BIT
 from .locations import LOCATION_DTYPE, BlockLocation
@@ -60,6 +67,7 @@ from .regions import RegionTable
 from .reinsertion import make_reinsertion
 from .seqs import SeqCounter
 from .statistics import EngineCounters, EngineStatistics
+from .take_back import appends_or_nothing, forget_new_keys, take_back_failed_commit
 from .store import StoreLayout, format_store, open_devices, read_superblocks, validate_store, write_generation
 
 
@@ -114,6 +122,8 @@ class Engine:
         self._lock = threading.RLock()
         self._counters = EngineCounters()
         self._closed = False
+        self._failure: str | None = None  # set by fail(): the state in memory is not to be trusted
+        self.on_failure: Callable[[str], None] | None = None  # told once, by fail() (the daemon exits)
         self._table = RegionTable(layout.region_count, fmt.data_room_bytes(size), cfg.eviction)
         try:
             rebuilt = rebuild(self._array, self._table, size, layout.generation, self._seq_floor,
@@ -128,18 +138,20 @@ class Engine:
         self._blocks = BlockMap(self._index, self._table, size)
         self._allocator = Allocator(self._array, self._blocks, self._seqs, self._counters, self._lock, size,
                                     layout.generation)
-        self._durability = Durability(self._allocator, self._array, self._table, self._seqs, self._counters, size)
+        self._durability = Durability(self._allocator, self._array, self._table, self._seqs, self._counters, size,
+                                      self._lock)
         self._regions = RegionManager(self._blocks, self._allocator, self._durability, self._array, self._reader,
                                       self._lock, self._seqs, self._counters,
-                                      make_reinsertion(cfg.reinsertion_hits_min), size)
-        self._allocator.reclaim = self._regions.reclaim
+                                      make_reinsertion(cfg.reinsertion_hits_min), size, cfg.clean_regions_target)
         self._gets = GetDriver(self._blocks, self._allocator, self._reader, self._lock, self._counters,
                                self._check_open, size)
         self._pins_and_deletes = PinsAndDeletes(self._blocks, self._allocator, self._durability, self._array,
-                                                self._lock, self._seqs, self._check_open, size)
+                                                self._lock, self._seqs, self._check_open, size, self._counters,
+                                                cfg.pinned_fraction_max, self._regions.data_regions)
+        self._regions.soft_pins = self._pins_and_deletes.soft  # reclaim moves soft-pinned blocks
         self._in_place = InPlacePuts(self._blocks, self._allocator, self._durability, self._lock, self._seqs,
                                      self._counters, self._check_open, lambda: self.block_size_max_bytes, size,
-                                     self.put_many)
+                                     self.put_many, self._commit_or_take_back)
 
     @property
     def geometry(self) -> StripeGeometry:
@@ -177,12 +189,14 @@ class Engine:
         seqs: list[int] = [0] * len(views)
         allocator = self._allocator
         allocator.await_seal_for(sum(v.nbytes for v in views), len(views))
-        with self._lock:
+        with self._lock, ExitStack() as on_error:
             self._check_open()
             allocator.wait_unreserved()
             slots = self._index.find_many(k0s, k1s).tolist()
+            on_error.enter_context(self._put_or_nothing(k0s, k1s, slots))  # a batch that fails is taken back
             k0l, k1l = k0s.tolist(), k1s.tolist()
             pending: list[tuple] = []  # index inserts, done in one vectorized batch per region
+            placed: list[tuple] = []  # (k0, k1, addr, seq) of the blocks appended, for a durable batch
             first_of: dict[tuple[int, int], int] = {}  # keys of this batch appended but not yet in the index
             for i, (view, header) in enumerate(zip(views, headers)):
                 if slots[i] >= 0:
@@ -191,7 +205,7 @@ class Engine:
                 if (k0l[i], k1l[i]) in first_of:  # the same key twice in one batch
                     seqs[i] = seqs[first_of[(k0l[i], k1l[i])]]
                     continue
-                if not (allocator.active and allocator.open.room_for(view.nbytes)):
+                if not allocator.appendable(view.nbytes):
                     self._blocks.insert_appended(pending)
                     first_of.clear()
                     allocator.ensure_room(view.nbytes)
@@ -207,17 +221,40 @@ class Engine:
                 offset = image.append_block(view, seq, k0l[i], k1l[i], header.ns_id, 0)
                 pending.append((k0l[i], k1l[i], image.region * self._region_size + offset, view.nbytes,
                                 seq - image.base_seq))
+                if durable:
+                    placed.append((k0l[i], k1l[i], image.region * self._region_size + offset, seq))
                 self._table.last_seq[image.region] = seq
                 self._table.add_block(image.region, view.nbytes, False)
                 seqs[i] = seq
                 self._counters.puts += 1
                 self._counters.put_bytes += view.nbytes
             self._blocks.insert_appended(pending)
-            if durable:
-                self._durability.make_durable()  # syncs all devices if a region of this batch was sealed meanwhile
-            else:
-                allocator.reap_seal(wait=False)
+            allocator.reap_seal(wait=False)
+        if durable:
+            self._commit_or_take_back(placed)
         return seqs
+
+    def _commit_or_take_back(self, placed: list[tuple]) -> None:
+        """Group commit, without the lock (it syncs every device after a seal). If it fails, the
+        batch's blocks leave the index and get tombstones (take_back.take_back_failed_commit), and
+        the error is raised; if even that fails (no room for a tombstone), the engine fails closed."""
+        try:
+            self._durability.commit()
+        except DeviceError:
+            if placed:
+                with self._lock:
+                    try:
+                        take_back_failed_commit(self._blocks, self._allocator, self._durability, placed,
+                                                self._region_size)
+                    except EngineError as exc:
+                        self.fail(f"the blocks of a failed durable commit could not be tombstoned ({exc})")
+            raise
+
+    def _put_or_nothing(self, k0s: np.ndarray, k1s: np.ndarray, slots: list[int]):
+        """Taking back a PUT batch that raises (take_back): its blocks leave the index and the open image."""
+        undo = forget_new_keys(self._blocks, k0s, k1s, slots)
+        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.write_and_sync,
+                                  undo)
 
     # -- put received in place (put_reservations.InPlacePuts) --------------------
     def reserve_put(self, keys: Sequence, lengths: Sequence[int], new_region: bool = True) -> Reservation | None:
@@ -308,7 +345,8 @@ class Engine:
             return rows
         with self._lock:
             self._check_open()
-            hit, addr, length, seq, sealed = self._blocks.resolve(k0, k1, self._allocator.image_regions())
+            hit, addr, length, seq, sealed = self._blocks.resolve(k0, k1, self._allocator.image_regions(),
+                                                                  durable_ends=self._allocator.image_durable_ends())
         rows["found"][hit] = True
         rows["logical_offset"][hit] = addr
         rows["length"][hit] = length
@@ -321,11 +359,25 @@ class Engine:
         """Forget blocks; a tombstone in the open region's summary makes it last (synced on return)."""
         return self._pins_and_deletes.delete_many(keys)
 
-    def pin_many(self, keys: Sequence) -> list[bool]:
-        return self._pins_and_deletes.set_pinned(keys, True)
+    def pin_many(self, keys: Sequence, ttl_s: float | None = None) -> list[bool]:
+        """Pin the present keys (per key: present). Without ``ttl_s`` a hard pin, durable on
+        return; with it a soft pin for ``ttl_s`` seconds, in memory only (see :mod:`.soft_pins`).
+        Refused whole (PinLimitError) past ``pinned_fraction_max`` of the capacity."""
+        return self._pins_and_deletes.pin(keys, ttl_s)
 
     def unpin_many(self, keys: Sequence) -> list[bool]:
-        return self._pins_and_deletes.set_pinned(keys, False)
+        """Drop the hard and soft pins of the present keys (per key: present)."""
+        return self._pins_and_deletes.unpin(keys)
+
+    @property
+    def soft_pin_clock(self):
+        """The monotonic clock soft pins expire by (a test may swap in a fake one)."""
+        return self._pins_and_deletes.soft.clock
+
+    @soft_pin_clock.setter
+    def soft_pin_clock(self, clock) -> None:
+        with self._lock:
+            self._pins_and_deletes.soft.clock = clock
 
     def delete_namespace(self, ns_id: bytes) -> int:
         """Delete every block of a namespace (reads the region summaries); returns the count."""
@@ -333,7 +385,7 @@ class Engine:
 
     def delete_all(self) -> int:
         """Forget every block: a new generation in all superblocks makes every region free."""
-        with self._lock:
+        with self._lock, self._regions.hold():
             self._check_open()
             self._allocator.wait_unreserved()
             self._allocator.reap_seal(wait=True)
@@ -356,8 +408,40 @@ class Engine:
             self._seqs.next = seq_floor + 1
             self._index.clear()
             self._table.reset_all()
+            self._pins_and_deletes.soft.clear()
             self._allocator.active = False
+            self._blocks.events.all_cleared()
         return count
+
+    # -- block events (block_events) -----------------------------------------
+    def set_block_listener(self, listener: BlockListener) -> None:
+        """Tell ``listener`` of every block stored, removed or cleared from now on (see
+        :mod:`.block_events`); ``NO_LISTENER`` stops it."""
+        with self._lock:
+            self._blocks.events = listener
+
+    def stored_keys(self, then: Callable[[], object] = lambda: None) -> tuple[np.ndarray, np.ndarray, object]:
+        """Every stored key as (k0, k1) little-endian halves, and what ``then()`` returns when
+        called under the same lock hold: a listener's position in its event stream, so the keys
+        are exactly the state after that event."""
+        with self._lock:
+            self._check_open()
+            slots = self._index.live_slots()
+            return self._index.k0[slots], self._index.k1[slots], then()
+
+    def keys_page(self, cursor: int, limit: int) -> tuple[bytes, int]:
+        """Up to ``limit`` stored keys from index slot ``cursor`` on (16 bytes each, joined) and
+        the next page's cursor (0 after the last page). A listing, not a snapshot: a table that
+        grows between pages may list a key twice or skip one (a later listing sees it)."""
+        if cursor < 0 or limit < 1:
+            raise ValueError(f"cursor {cursor} and limit {limit}: need cursor >= 0 and limit >= 1")
+        with self._lock:
+            self._check_open()
+            live = self._index.live_slots()
+            slots = live[np.searchsorted(live, cursor):][:limit]
+            pairs = np.column_stack((self._index.k0[slots], self._index.k1[slots])).astype("<u8")
+            more = len(slots) == limit and int(slots[-1]) < int(live[-1])
+        return pairs.tobytes(), int(slots[-1]) + 1 if more else 0
 
     # -- info / maintenance --------------------------------------------------
     def block_info(self, key) -> dict | None:
@@ -370,9 +454,11 @@ class Engine:
             addr, length, seq = int(self._index.addr[slot]), int(self._index.length[slot]), self._blocks.seq_of(slot)
             region = addr // self._region_size
             pinned = bool(self._index.meta[slot] & np.uint32(PINNED_BIT))
+            soft_pinned = self._pins_and_deletes.soft.contains((k0, k1))
             last_access = float(self._table.last_access_s[region])
             image = self._allocator.image_of(region)
             in_open = image is not None
+            on_flash = not in_open or addr - region * self._region_size + length <= image.durable_end
             head = bytes(image.block(addr - region * self._region_size, HEADER_SIZE)) if in_open else None
         if head is None:
             start = align_down(addr)
@@ -386,32 +472,62 @@ class Engine:
         if header.key != bytes(key) or header.seq != seq:  # raced a reclaim
             return None
         return {"present": True, "size_bytes": length, "codec_id": header.codec_id, "ns_id": header.ns_id.hex(),
-                "region": region, "seq": seq, "pinned": pinned, "region_last_access": last_access,
-                "sealed": not in_open}
+                "region": region, "seq": seq, "pinned": pinned or soft_pinned, "soft_pinned": soft_pinned,
+                "region_last_access": last_access,
+                "sealed": on_flash}
 
     def flush(self) -> None:
-        """Seal and sync the open region (if it holds anything)."""
+        """Make every block and record stored so far durable: the open region's filled part is
+        written in place and synced (recovery walks it), nothing is sealed. A group commit, without
+        the lock: GETs and LOOKUPs go on meanwhile."""
         with self._lock:
             self._check_open()
-            self._seal_and_sync()
+        self._durability.commit(with_entries=True)
 
     def statistics(self) -> EngineStatistics:
         with self._lock:
             if not self._closed:
                 self._allocator.reap_seal(wait=False)
             table = self._table
+            hard_pinned, soft_pinned = self._pins_and_deletes.pinned_bytes()
+            soft = self._pins_and_deletes.soft
             return EngineStatistics(
                 **asdict(self._counters), blocks=len(self._index), bytes_stored=int(table.live_bytes.sum()),
                 regions_total=table.region_count, regions_free=table.free_count, regions_sealed=table.sealed_count,
-                recovery_seconds=self._recovery_seconds, index_bytes=self._index.nbytes)
+                recovery_seconds=self._recovery_seconds, index_bytes=self._index.nbytes,
+                pinned_bytes=hard_pinned + soft_pinned, soft_pinned_bytes=soft_pinned, soft_pins=len(soft),
+                soft_pins_expired=soft.expired, pinned_bytes_max=self._pins_and_deletes.pinned_bytes_max,
+                clean_regions_target=self._regions.target)
+
+    def fail(self, reason: str) -> None:
+        """Fail closed: an unexpected exception left the index or the region table in a state that
+        cannot be trusted. Every call from now on raises EngineFailedError, :meth:`close` seals
+        nothing (a restart recovers from flash, where every acknowledged durable change is), and
+        ``on_failure`` is told once. Takes no lock: the failing thread may hold it."""
+        if self._failure is not None:
+            return
+        self._failure = reason
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed closed, or None."""
+        return self._failure
 
     def close(self) -> None:
-        """Seal, sync and close the devices (idempotent)."""
+        """Seal, sync and close the devices (idempotent); a failed engine only closes them."""
+        with self._lock:
+            if self._closed:
+                return
+        self._regions.close()  # the reclaim worker, after the reclaim in flight
         with self._lock:
             if self._closed:
                 return
             try:
-                self._seal_and_sync()
+                if self._failure is None:
+                    self._seal_and_sync()
+                    self._regions.invalidate_freed(self._allocator.generation)
             finally:
                 self._closed = True
                 self._allocator.close()
@@ -431,5 +547,8 @@ class Engine:
         self._durability.make_durable()
 
     def _check_open(self) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(f"the engine failed closed ({self._failure}); kvtierd restarts and recovers "
+                                    f"from flash")
         if self._closed:
             raise EngineError("engine is closed")

@@ -16,6 +16,8 @@ placed (:meth:`OpenRegion.place_block`).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from kvtier.common.blockformat import HEADER_SIZE, stamp_sequence
@@ -39,6 +41,24 @@ class OpenRegion:
         self.durable_entries = 0  # summary entries known to be on flash and synced
         self.pending_bytes = 0  # reserved from data_end for a PUT being received in place
         self.pending_entries = 0  # summary entries reserved for it
+        self.io_pins = 0  # commits writing from this image outside the engine lock (see Durability.commit)
+        self._io_idle = threading.Condition(threading.Lock())
+
+    # -- commits writing from this image without the engine lock -------------------
+    def pin_io(self) -> None:
+        with self._io_idle:
+            self.io_pins += 1
+
+    def unpin_io(self) -> None:
+        with self._io_idle:
+            self.io_pins -= 1
+            self._io_idle.notify_all()
+
+    def wait_io_idle(self) -> None:
+        """Until no commit writes from this image: a seal, a reset or a write under the engine lock
+        then never lands before an older copy of the same pages that a commit still has in flight."""
+        with self._io_idle:
+            self._io_idle.wait_for(lambda: self.io_pins == 0)
 
     @property
     def capacity_bytes(self) -> int:
@@ -130,4 +150,25 @@ class OpenRegion:
         ranges = [(tail_start, self.size_bytes)]
         if prefix_end > prefix_start:
             ranges.insert(0, (prefix_start, prefix_end))
+        return ranges
+
+    def take_back(self, data_end: int, entry_count: int, last_seq: int) -> list[tuple[int, int]]:
+        """Forget every block past ``data_end`` and every summary entry past the first
+        ``entry_count`` -- what a request that failed appended, none of it durable yet -- and zero
+        them in the image, so that no later write carries them and no recovery walk finds them.
+        ``last_seq``: the image's last seq before them. Returns the aligned [start, end) ranges
+        zeroed (a caller may write them to cover what a failed write left on flash)."""
+        assert self.durable_end <= data_end <= self.data_end, (self.durable_end, data_end, self.data_end)
+        assert self.durable_entries <= entry_count <= self.entry_count, (self.durable_entries, entry_count)
+        assert not self.pending_bytes, "taken back under a reservation"
+        ranges = []
+        if data_end < self.data_end:
+            self.buffer[data_end:self.data_end] = bytes(self.data_end - data_end)
+            ranges.append((align_down(data_end), align_up(self.data_end)))
+        if entry_count < self.entry_count:
+            start = fmt.entry_position(self.size_bytes, self.entry_count - 1)
+            end = fmt.entry_position(self.size_bytes, entry_count) + fmt.ENTRY_BYTES
+            self.buffer[start:end] = bytes(end - start)
+            ranges.append((align_down(start), align_up(end)))
+        self.data_end, self.entry_count, self.last_seq = data_end, entry_count, last_seq
         return ranges

@@ -1,10 +1,24 @@
 """Deletes and pins: the index and the region table change at once, and a metadata record in
 the open region's summary -- a tombstone, namespace tombstone, pin or unpin -- makes each
 change last. Every call is durable when it returns (its records are written and synced).
+
+Each call is all-or-nothing as its caller sees it: what can fail is done before anything
+changes in memory. Room for every record is taken first (that may seal the open region or
+reclaim one, which may fail: NoSpaceError, nothing changed); the records are then appended
+and made durable; only then do the index and the region table change. A DELETE, UNPIN or
+namespace delete on a store with no room left tries once more with its change applied in
+memory -- dropping or unpinning blocks may be what makes a region reclaimable -- and undoes
+it if that fails too. A record that could not be made durable (DeviceError) is taken back
+out of the open region's image, so no later write carries it (:mod:`.take_back`).
+
+Soft pins (:mod:`.soft_pins`, ``ttl_s``) change memory only. Pinned bytes -- hard and soft --
+are limited to ``pinned_fraction_max`` of the store's capacity: a PIN past it is refused
+(:class:`.errors.PinLimitError`) and changes nothing; PUTs are never refused for pins.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -13,17 +27,22 @@ from . import regionfmt as fmt
 from .allocator import Allocator
 from .blockmap import BlockMap
 from .durability import Durability
-from .errors import EngineError
+from .errors import EngineError, NoSpaceError, PinLimitError
 from .index import PINNED_BIT, SEQ_DELTA_MAX
 from .raid0 import StripedArray
 from .recovery import read_region_entries
 from .regions import RegionState
 from .seqs import SeqCounter
+from .soft_pins import SoftPins, check_ttl_s
+from .statistics import EngineCounters
+from .take_back import appends_or_nothing
 
 
 class PinsAndDeletes:
     def __init__(self, blocks: BlockMap, allocator: Allocator, durability: Durability, array: StripedArray,
-                 lock: threading.RLock, seqs: SeqCounter, check_open: Callable[[], None], region_size_bytes: int):
+                 lock: threading.RLock, seqs: SeqCounter, check_open: Callable[[], None], region_size_bytes: int,
+                 counters: EngineCounters, pinned_fraction_max: float, data_regions: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._blocks = blocks
         self._index, self._table = blocks.index, blocks.table
         self._allocator = allocator
@@ -33,7 +52,43 @@ class PinsAndDeletes:
         self._seqs = seqs
         self._check_open = check_open  # raises once the engine is closed
         self._region_size = region_size_bytes
+        self._counters = counters
+        self._pinned_fraction_max = pinned_fraction_max
+        # the regions that hold blocks: all but the clean ones the region manager keeps in reserve
+        self._data_regions = self._table.region_count if data_regions is None else data_regions
+        self.soft = SoftPins(clock)
 
+    # -- pinned bytes ------------------------------------------------------
+    @property
+    def pinned_bytes_max(self) -> int:
+        """The most bytes pins may hold: ``pinned_fraction_max`` of the store's room for blocks (the
+        room of the regions that hold blocks: the reserve region holds none)."""
+        return int(self._pinned_fraction_max * self._capacity_bytes)
+
+    @property
+    def _capacity_bytes(self) -> int:
+        return self._data_regions * self._table.region_capacity_bytes
+
+    def pinned_bytes(self) -> tuple[int, int]:
+        """(hard-pinned, soft-pinned) bytes now; under the lock."""
+        soft = self.soft.live_slots(self._index)
+        return int(self._table.pinned_bytes.sum()), int(self._index.length[soft].astype(np.int64).sum())
+
+    def _check_pin_limit(self, new_slots: np.ndarray) -> None:
+        added = int(self._index.length[new_slots].astype(np.int64).sum())
+        if not added:
+            return
+        hard, soft = self.pinned_bytes()
+        limit = self.pinned_bytes_max
+        if hard + soft + added > limit:
+            self._counters.pins_refused += 1
+            raise PinLimitError(
+                f"pin refused: {len(new_slots)} blocks of {added} bytes would bring the pinned bytes to "
+                f"{hard + soft + added}, past pinned_bytes_max={limit} (pinned_fraction_max="
+                f"{self._pinned_fraction_max} of {self._capacity_bytes} bytes); pinned now: {hard + soft} bytes ({hard} hard, {soft} soft). Unpin or delete blocks, "
+                f"or raise pinned_fraction_max")
+
+    # -- deletes -----------------------------------------------------------
     def delete_many(self, keys: Sequence) -> list[bool]:
         if not len(keys):
             return []
@@ -42,18 +97,77 @@ class PinsAndDeletes:
             self._check_open()
             self._allocator.wait_unreserved()
             slots = self._index.find_many(k0, k1)
-            found = slots >= 0
-            unique = np.unique(slots[found])
-            doomed = list(zip(self._index.k0[unique].tolist(), self._index.k1[unique].tolist(),
-                              self._blocks.seqs_of(unique).tolist()))
-            self._blocks.forget(unique)
-            for k0_, k1_, seq in doomed:  # recording may open/reclaim regions: slots are not used past here
-                self._durability.record(fmt.KIND_TOMBSTONE, k0_, k1_, fmt.NO_NAMESPACE, seq)
-            if doomed:
+            unique = np.unique(slots[slots >= 0])
+            if not len(unique):
+                return (slots >= 0).tolist()
+            doomed = self._targets(unique)
+            applied = self._room_for_records(len(unique), lambda: self._forget_tentatively(unique))
+            if applied is None:
+                slots = self._index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
+                unique = np.unique(slots[slots >= 0])
+                doomed = self._targets(unique)
+            with self._records_or_nothing(applied):
+                for k0_, k1_, seq in doomed:
+                    self._durability.record(fmt.KIND_TOMBSTONE, k0_, k1_, fmt.NO_NAMESPACE, seq)
                 self._durability.persist_records()
-        return found.tolist()
+            if applied is None:
+                self._blocks.forget(unique)
+            self.soft.discard((k0_, k1_) for k0_, k1_, _ in doomed)
+        return (slots >= 0).tolist()
 
-    def set_pinned(self, keys: Sequence, pinned: bool) -> list[bool]:
+    def delete_namespace(self, ns_id: bytes) -> int:
+        ns_id = bytes(ns_id)
+        if len(ns_id) != 16:
+            raise EngineError(f"namespace id must be 16 bytes, got {len(ns_id)}")
+        allocator = self._allocator
+        with self._lock:
+            self._check_open()
+            self._allocator.wait_unreserved()
+            allocator.reap_seal(wait=True)
+            try:
+                self._reserve_records(1)  # before the scan: taking room may reclaim regions
+                roomy = True
+            except NoSpaceError:
+                roomy = False
+            allocator.reap_seal(wait=True)
+            slots = self._namespace_slots(ns_id)
+            applied = None if roomy else self._room_for_records(1, lambda: self._forget_tentatively(slots))
+            keys = list(zip(self._index.k0[slots].tolist(), self._index.k1[slots].tolist()))
+            k0, k1 = fmt.key_to_halves(ns_id)
+            with self._records_or_nothing(applied):
+                self._durability.record(fmt.KIND_NS_TOMBSTONE, k0, k1, ns_id, self._seqs.next)
+                self._durability.persist_records()
+            if applied is None:
+                self._blocks.forget(slots)
+            self.soft.discard(keys)
+        return int(len(slots))
+
+    def _namespace_slots(self, ns_id: bytes) -> np.ndarray:
+        """The index slots of every stored block of the namespace (reads the region summaries)."""
+        ns_void = np.frombuffer(ns_id, "V16")[0]
+        allocator = self._allocator
+        doomed = []
+        for region in range(self._table.region_count):
+            if self._table.state[region] == RegionState.FREE:
+                continue
+            entries = allocator.open.entries() if (allocator.active and region == allocator.open.region) else \
+                read_region_entries(self._array, region, self._region_size, int(self._table.base_seq[region]))
+            hit = entries[(entries["kind"] == fmt.KIND_BLOCK) & (entries["ns"] == ns_void)]
+            if not len(hit):
+                continue
+            slots = self._index.find_many(hit["k0"], hit["k1"])
+            addr = np.uint64(region * self._region_size) + hit["offset"].astype(np.uint64)
+            ok = slots >= 0
+            ok[ok] = self._index.addr[slots[ok]] == addr[ok]
+            doomed.append(slots[ok])
+        return np.unique(np.concatenate(doomed)) if doomed else np.zeros(0, np.int64)
+
+    # -- pins --------------------------------------------------------------
+    def pin(self, keys: Sequence, ttl_s: float | None = None) -> list[bool]:
+        """Pin the present keys: hard (a durable record) without ``ttl_s``, else soft for
+        ``ttl_s`` seconds (memory only; a hard-pinned block stays hard). Per key: present."""
+        if ttl_s is not None:
+            ttl_s = check_ttl_s(ttl_s)
         if not len(keys):
             return []
         k0, k1 = fmt.keys_to_halves(keys)
@@ -62,54 +176,154 @@ class PinsAndDeletes:
             self._check_open()
             self._allocator.wait_unreserved()
             slots = index.find_many(k0, k1)
-            unique = np.unique(slots[slots >= 0])
-            meta = index.meta[unique]
-            flip = unique[((meta & np.uint32(PINNED_BIT)) != 0) != pinned]
+            if ttl_s is not None:
+                unique = np.unique(slots[slots >= 0])
+                unpinned = unique[(index.meta[unique] & np.uint32(PINNED_BIT)) == 0]
+                pairs = list(zip(index.k0[unpinned].tolist(), index.k1[unpinned].tolist()))
+                fresh = np.array([not self.soft.contains(pair) for pair in pairs], bool)
+                self._check_pin_limit(unpinned[fresh])
+                self.soft.pin(pairs, ttl_s)
+                return (slots >= 0).tolist()
+            flip = self._unpinned_slots(slots)
             if len(flip):
-                if pinned:
-                    index.meta[flip] |= np.uint32(PINNED_BIT)
-                else:
-                    index.meta[flip] &= np.uint32(SEQ_DELTA_MAX)
-                regions = (index.addr[flip] // np.uint64(self._region_size)).astype(np.int64)
-                lengths = index.length[flip].astype(np.int64)
-                for region, nbytes in zip(regions.tolist(), lengths.tolist()):
-                    self._table.set_pinned(region, nbytes, pinned)
-            changed = list(zip(index.k0[flip].tolist(), index.k1[flip].tolist(),
-                               self._blocks.seqs_of(flip).tolist()))
-            for k0_, k1_, seq in changed:  # recording may open/reclaim regions: slots are not used past here
-                self._durability.record(fmt.KIND_PIN if pinned else fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
-            if changed:
-                self._durability.persist_records()
+                self._check_pin_limit(self._not_soft(flip))
+                self._reserve_records(len(flip))
+                slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
+                flip = self._unpinned_slots(slots)
+                self._check_pin_limit(self._not_soft(flip))
+            self._set_hard(flip, True)
         return (slots >= 0).tolist()
 
-    def delete_namespace(self, ns_id: bytes) -> int:
-        ns_id = bytes(ns_id)
-        if len(ns_id) != 16:
-            raise EngineError(f"namespace id must be 16 bytes, got {len(ns_id)}")
-        ns_void = np.frombuffer(ns_id, "V16")[0]
-        allocator = self._allocator
+    def unpin(self, keys: Sequence) -> list[bool]:
+        """Unpin the present keys (hard and soft pins). Per key: present."""
+        if not len(keys):
+            return []
+        k0, k1 = fmt.keys_to_halves(keys)
+        index = self._index
         with self._lock:
             self._check_open()
             self._allocator.wait_unreserved()
-            allocator.reap_seal(wait=True)
-            doomed = []
-            for region in range(self._table.region_count):
-                state = self._table.state[region]
-                if state == RegionState.FREE:
-                    continue
-                entries = allocator.open.entries() if (allocator.active and region == allocator.open.region) else \
-                    read_region_entries(self._array, region, self._region_size, int(self._table.base_seq[region]))
-                hit = entries[(entries["kind"] == fmt.KIND_BLOCK) & (entries["ns"] == ns_void)]
-                if not len(hit):
-                    continue
-                slots = self._index.find_many(hit["k0"], hit["k1"])
-                addr = np.uint64(region * self._region_size) + hit["offset"].astype(np.uint64)
-                ok = slots >= 0
-                ok[ok] = self._index.addr[slots[ok]] == addr[ok]
-                doomed.append(slots[ok])
-            slots = np.unique(np.concatenate(doomed)) if doomed else np.zeros(0, np.int64)
-            self._blocks.forget(slots)
-            k0, k1 = fmt.key_to_halves(ns_id)
-            self._durability.record(fmt.KIND_NS_TOMBSTONE, k0, k1, ns_id, self._seqs.next)
+            slots = index.find_many(k0, k1)
+            flip = self._hard_slots(slots)
+            if len(flip):
+                targets = self._targets(flip)
+                applied = self._room_for_records(len(flip), lambda: self._unpin_tentatively(flip))
+                if applied is None:
+                    slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
+                    self._set_hard(self._hard_slots(slots), False)
+                else:  # unpinned already: that is what let a region be reclaimed (the block may be gone)
+                    with self._records_or_nothing(applied):
+                        for k0_, k1_, seq in targets:
+                            self._durability.record(fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
+                        self._durability.persist_records()
+            if len(self.soft):
+                self.soft.discard(zip(k0.tolist(), k1.tolist()))
+        return (slots >= 0).tolist()
+
+    def _unpinned_slots(self, slots: np.ndarray) -> np.ndarray:
+        unique = np.unique(slots[slots >= 0])
+        return unique[(self._index.meta[unique] & np.uint32(PINNED_BIT)) == 0]
+
+    def _hard_slots(self, slots: np.ndarray) -> np.ndarray:
+        unique = np.unique(slots[slots >= 0])
+        return unique[(self._index.meta[unique] & np.uint32(PINNED_BIT)) != 0]
+
+    def _not_soft(self, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` that hold no live soft pin (their bytes are not counted yet)."""
+        if not len(self.soft):
+            return slots
+        return slots[~np.isin(slots, self.soft.live_slots(self._index))]
+
+    def _set_hard(self, flip: np.ndarray, pinned: bool) -> None:
+        """Hard-pin (or unpin) these slots: their records made durable first, then memory."""
+        if not len(flip):
+            return
+        index = self._index
+        changed = list(zip(index.k0[flip].tolist(), index.k1[flip].tolist(), self._blocks.seqs_of(flip).tolist()))
+        with self._records_or_nothing():
+            for k0_, k1_, seq in changed:
+                self._durability.record(fmt.KIND_PIN if pinned else fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
             self._durability.persist_records()
-        return int(len(slots))
+        if pinned:
+            self.soft.discard((k0_, k1_) for k0_, k1_, _ in changed)  # a hard pin replaces a soft one
+        self._set_pinned_in_memory(flip, pinned)
+
+    def _set_pinned_in_memory(self, slots: np.ndarray, pinned: bool) -> None:
+        index = self._index
+        if pinned:
+            index.meta[slots] |= np.uint32(PINNED_BIT)
+        else:
+            index.meta[slots] &= np.uint32(SEQ_DELTA_MAX)
+        regions = (index.addr[slots] // np.uint64(self._region_size)).astype(np.int64)
+        for region, nbytes in zip(regions.tolist(), index.length[slots].astype(np.int64).tolist()):
+            self._table.set_pinned(region, nbytes, pinned)
+
+    # -- records: room first, taken back on failure ------------------------------
+    def _targets(self, slots: np.ndarray) -> list[tuple[int, int, int]]:
+        """(k0, k1, seq) of these slots: what their records name."""
+        index = self._index
+        return list(zip(index.k0[slots].tolist(), index.k1[slots].tolist(), self._blocks.seqs_of(slots).tolist()))
+
+    def _room_for_records(self, count: int, apply: Callable[[], Callable[[], None]]) -> Callable[[], None] | None:
+        """Room for ``count`` records of a delete or unpin. With none to be had, the request's own
+        change is applied in memory first (``apply``, which returns its undo) and room is sought
+        again: dropping or unpinning blocks may be what lets a region be reclaimed. Returns that
+        undo (the change is applied), or None (room was found without it); if room cannot be had
+        either way, the change is undone and NoSpaceError raised."""
+        try:
+            self._reserve_records(count)
+            return None
+        except NoSpaceError:
+            undo = apply()
+            try:
+                self._reserve_records(count)
+            except BaseException:
+                undo()
+                raise
+            return undo
+
+    def _forget_tentatively(self, slots: np.ndarray) -> Callable[[], None]:
+        """Drop these blocks from the index; the undo puts back those whose region was not reclaimed meanwhile."""
+        index, table = self._index, self._table
+        regions = (index.addr[slots] // np.uint64(self._region_size)).astype(np.int64)
+        kept = list(zip(index.k0[slots].tolist(), index.k1[slots].tolist(), index.addr[slots].tolist(),
+                        index.length[slots].tolist(), index.meta[slots].tolist(), regions.tolist(),
+                        table.base_seq[regions].tolist()))
+        self._blocks.forget(slots)
+
+        def undo() -> None:
+            back = [row for row in kept if table.state[row[5]] != RegionState.FREE and int(table.base_seq[row[5]]) == row[6]]
+            for k0_, k1_, addr, length, meta, region, _ in back:
+                index.insert(k0_, k1_, addr, length, meta)
+                table.add_block(region, length, bool(meta & PINNED_BIT))
+            if back:
+                self._blocks.events.blocks_stored(np.array([r[0] for r in back], np.uint64),
+                                                  np.array([r[1] for r in back], np.uint64))
+        return undo
+
+    def _unpin_tentatively(self, slots: np.ndarray) -> Callable[[], None]:
+        """Clear these blocks' pins in memory; the undo pins again those still present."""
+        index = self._index
+        keys = list(zip(index.k0[slots].tolist(), index.k1[slots].tolist()))
+        self._set_pinned_in_memory(slots, False)
+
+        def undo() -> None:
+            found = index.find_many(np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64))
+            found = found[found >= 0]
+            self._set_pinned_in_memory(found[(index.meta[found] & np.uint32(PINNED_BIT)) == 0], True)
+        return undo
+
+    def _reserve_records(self, count: int) -> None:
+        """Room in the open region for ``count`` more records (opening or reclaiming a region
+        if needed; NoSpaceError changes nothing the caller did)."""
+        if count * fmt.ENTRY_BYTES > self._allocator.capacity_bytes:
+            raise EngineError(f"{count} keys in one request need {count * fmt.ENTRY_BYTES} bytes of records, more "
+                              f"than a region holds ({self._allocator.capacity_bytes}); send fewer keys at once")
+        self._allocator.ensure_room(0, count)
+
+    def _records_or_nothing(self, undo: Callable[[], None] | None = None):
+        """Records appended inside this block are taken back out of the open image if it raises
+        (with room reserved first, they all go to the image open on entry), and ``undo`` is run."""
+        assert self._allocator.active, "records appended with no open region (reserve room first)"
+        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.write_and_sync,
+                                  undo)

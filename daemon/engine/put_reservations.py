@@ -26,6 +26,7 @@ is exactly an appended block.
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -38,6 +39,7 @@ from .allocator import Allocator
 from .blockmap import BlockMap
 from .durability import Durability
 from .errors import DeviceError, EngineError
+from .take_back import appends_or_nothing, forget_new_keys
 from .seqs import SeqCounter
 from .statistics import EngineCounters
 
@@ -60,7 +62,7 @@ class Reservation:
 class InPlacePuts:
     def __init__(self, blocks: BlockMap, allocator: Allocator, durability: Durability, lock: threading.RLock,
                  seqs: SeqCounter, counters: EngineCounters, check_open: Callable[[], None], block_size_max: Callable[[], int],
-                 region_size_bytes: int, put_many: Callable):
+                 region_size_bytes: int, put_many: Callable, commit_durable: Callable[[list[tuple]], None]):
         self._blocks = blocks
         self._allocator = allocator
         self._durability = durability
@@ -71,6 +73,7 @@ class InPlacePuts:
         self._block_size_max = block_size_max
         self._region_size = region_size_bytes
         self._put_many = put_many  # the copying path, for a frame whose keys were stored meanwhile
+        self._commit_durable = commit_durable  # group commit of (k0, k1, addr, seq) placed; taken back if it fails
 
     def reserve(self, keys: Sequence[bytes], lengths: Sequence[int], new_region: bool) -> Reservation | None:
         """Room for blocks of these keys and lengths in the open image, or None: one is in flight,
@@ -89,15 +92,15 @@ class InPlacePuts:
             self._check_open()
             if not allocator.wait_unreserved(RESERVATION_WAIT_S) or (self._blocks.index.find_many(k0, k1) >= 0).any():
                 return None
-            if not (allocator.active and allocator.open.room_for(total, len(keys))):
+            if not allocator.appendable(total, len(keys)):
                 if not new_region:
                     return None
                 try:
                     allocator.ensure_room(total, len(keys))
                 except (EngineError, DeviceError):
                     return None  # the copying path meets the same failure and answers it
-                if (self._blocks.index.find_many(k0, k1) >= 0).any():  # a reclaim moved one in
-                    return None
+                if allocator.reservation is not None or (self._blocks.index.find_many(k0, k1) >= 0).any():
+                    return None  # the lock was let go while waiting for a clean region: another PUT came first
             image = allocator.open
             image.pending_bytes, image.pending_entries = total, len(keys)
             offset = image.data_end
@@ -122,7 +125,7 @@ class InPlacePuts:
             views.append(view)
         k0, k1 = fmt.keys_to_halves(reservation.keys)
         allocator = self._allocator
-        with self._lock:
+        with self._lock, ExitStack() as on_error:
             assert allocator.reservation is reservation, "a reservation that is not the one in flight"
             if (self._blocks.index.find_many(k0, k1) >= 0).any():
                 # stored meanwhile by a PUT that had received its frame before this one was reserved:
@@ -134,6 +137,9 @@ class InPlacePuts:
             image, base = allocator.open, reservation.region * self._region_size
             assert image.region == reservation.region and image.data_end == reservation.offset
             image.pending_bytes = image.pending_entries = 0
+            on_error.enter_context(appends_or_nothing(  # a commit that fails (a durable write) is taken back
+                allocator, self._blocks.table, self._region_size, self._durability.write_and_sync,
+                forget_new_keys(self._blocks, k0, k1, np.full(len(k0), -1))))
             seqs, pending = [], []
             for k0_, k1_, header, length in zip(k0.tolist(), k1.tolist(), headers, reservation.lengths):
                 seq = self._seqs.take()
@@ -146,13 +152,13 @@ class InPlacePuts:
             self._counters.puts += len(seqs)
             self._counters.put_bytes += sum(reservation.lengths)
             self._counters.puts_received_in_place += len(seqs)
+            placed = [(k0_, k1_, addr, seq) for (k0_, k1_, addr, _, _), seq in zip(pending, seqs)]
             self._blocks.insert_appended(pending)
             reservation.resolved = True
             allocator.reservation_resolved()
-            if durable:
-                self._durability.make_durable()
-            else:
-                allocator.reap_seal(wait=False)
+            allocator.reap_seal(wait=False)
+        if durable:
+            self._commit_durable(placed)  # without the lock (Engine._commit_or_take_back)
         return seqs
 
     def abort(self, reservation: Reservation) -> None:

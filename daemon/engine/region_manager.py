@@ -1,42 +1,81 @@
-"""The region manager: reclaim, eviction and reinsertion over the region pool.
+"""The region manager: the clean-region pool, and the background reclaim that fills it (after
+CacheLib Navy's RegionManager).
 
-When the allocator finds no free region it calls :meth:`RegionManager.reclaim`: the
-eviction policy's victim is evicted and opened as the new region, and what must or should
-outlive it -- pinned blocks, metadata records still needed, hot blocks the reinsertion
-policy picks -- is moved. What it works on, all shared with the engine: the region table
-and the index (:class:`.BlockMap`), the allocator (the open region), the durability
-ordering, the device array and block reader, and the engine lock, which
-:meth:`RegionManager.reclaim` holds throughout.
+::
+
+    writer needs a region ──take_clean──> pool (FREE regions) ──empty──> waits (counted)
+                                            ^
+    reclaim worker ──victim (policy order)──┘  keeps ``clean_regions_target`` regions ready:
+        1. read the victim's summary                           (no lock; O(victim))
+        2. its live blocks: the summary's keys found in the index at the victim's addresses;
+           pinned, soft-pinned and hot ones (reinsertion policy) are to be moved
+        3. read and verify those blocks                        (no lock)
+        4. under the lock: each one still at its address is appended to the open region and
+           its index slot pointed there (compare-and-swap on the address); the rest are
+           evicted; the victim's records still needed are appended too
+        5. commit (group commit, no lock) when a pinned block or a record moved
+        6. the victim joins the pool
+
+A writer never runs a reclaim. It takes a clean region only while more than RESERVE_REGIONS
+are left: the last one is kept for the worker, which compacts moved blocks into it when the
+open region is full, so a few pins can never wedge the store.
+
+Crash ordering: the victim is not rewritten before step 5, so until its copies are durable
+its old contents stay the ones recovery finds. At step 6 a fresh header is queued for it (not
+synced): a restart before it lands serves what was evicted again (a cache may), after it the
+region is free. Until the region is opened again it counts as live for the tombstones that
+must outlive what it held (``RegionTable.stale_on_flash``).
+
+A device error while reclaiming a victim (its summary or a pinned block cannot be read, the
+commit fails) puts it back in the policy, or retires it after RECLAIM_FAILURES_MAX failures in
+a row, with a log line and a counter; when no victim can be reclaimed the writers waiting get
+NoSpaceError naming why.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from concurrent.futures import wait as wait_futures
 
 import numpy as np
 
-from kvtier.common.aligned import align_down, align_up, aligned_buffer
+from kvtier.common.aligned import aligned_buffer
 from kvtier.common.blockformat import decode_header
 
 from . import regionfmt as fmt
 from .allocator import Allocator
 from .blockmap import BlockMap
 from .durability import Durability
-from .errors import NoSpaceError
+from .errors import DeviceError, EngineError, NoSpaceError
 from .index import PINNED_BIT, SEQ_DELTA_MAX
+from .no_space import no_space_message
 from .raid0 import StripedArray
 from .reader import BlockReader, ReadFailure
-from .recovery import seq_span_max
-from .regions import RegionState
+from .recovery import read_region_entries
 from .reinsertion import HOT_REINSERT_FRACTION_MAX, ReinsertionPolicy
 from .seqs import SeqCounter
+from .soft_pins import SoftPins
 from .statistics import EngineCounters
+
+log = logging.getLogger("kvtier.daemon.engine")
+
+RESERVE_REGIONS = 1  # clean regions writers leave to the reclaim worker: where it compacts moved blocks
+CLEAN_POOL_FRACTION_MAX = 1 / 8  # the pool never holds more than this share of the store's regions
+RECLAIM_FAILURES_MAX = 2  # device errors in a row while reclaiming one region before it is retired
+REVALIDATE_ROUNDS_MAX = 4  # rounds of (look, read what is missing or take the reserve) before a victim is left for later
+
+
+def effective_target(configured: int, region_count: int) -> int:
+    """The pool size kept: ``configured``, at most CLEAN_POOL_FRACTION_MAX of the regions, at least
+    the reserve (a small store then reclaims when a writer needs a region)."""
+    return max(RESERVE_REGIONS, min(configured, int(region_count * CLEAN_POOL_FRACTION_MAX)))
 
 
 class RegionManager:
     def __init__(self, blocks: BlockMap, allocator: Allocator, durability: Durability, array: StripedArray,
                  reader: BlockReader, lock: threading.RLock, seqs: SeqCounter, counters: EngineCounters,
-                 reinsertion: ReinsertionPolicy, region_size_bytes: int):
+                 reinsertion: ReinsertionPolicy, region_size_bytes: int, clean_regions_target: int = 2):
         self._blocks = blocks
         self._index, self._table = blocks.index, blocks.table
         self._allocator = allocator
@@ -48,271 +87,349 @@ class RegionManager:
         self._counters = counters
         self._reinsertion = reinsertion
         self._region_size = region_size_bytes
+        self.soft_pins: SoftPins | None = None  # wired by the engine: soft-pinned blocks are moved, never dropped
+        self.target = effective_target(clean_regions_target, self._table.region_count)
+        self._reserve = RESERVE_REGIONS if self._table.region_count > 2 else 0
+        self._changed = threading.Condition(lock)  # the pool, the worker's state or a waiter changed
+        self._waiters: list[tuple] = []  # writers waiting for a clean region: (floor, satisfied, attempts, since)
+        self._attempts = 0  # reclaim attempts finished so far
+        self._last_failed_attempt = 0  # the number of the last one that reclaimed nothing
+        self._failure = ""  # why it reclaimed nothing
+        self._paused_after_failure = False
+        self._busy = False  # the worker is reclaiming (the lock may be let go)
+        self._holds = 0  # callers that need the worker idle (delete_all)
+        self._closing = False
+        self._failures: dict[int, int] = {}  # region -> device errors in a row while reclaiming it
+        allocator.take_clean = self.take_clean
+        allocator.give_back_clean = self.give_back_clean
+        self._worker = threading.Thread(target=self._run, name="kvtier-reclaim", daemon=True)
+        self._worker.start()
 
-    def reclaim(self) -> None:
-        """No free region: evict the policy's victim and open it as the new region, moving its
-        pinned blocks, its hot blocks (the reinsertion policy's pick) and its metadata records
-        that still matter into it.
+    @property
+    def data_regions(self) -> int:
+        """The regions that can hold blocks: all but the reserve."""
+        return self._table.region_count - self._reserve
 
-        Crash ordering: rewriting the victim's header makes recovery see an empty open region,
-        so whatever must outlive the victim -- pinned blocks, records -- is made durable in
-        another region first (hot blocks are a cache hint: losing them to a crash is a miss):
+    # -- the pool (under the lock) -------------------------------------------------
+    def take_clean(self, use_reserve: bool, satisfied=lambda: False) -> int | None:
+        """A clean region for the allocator to open, or None once ``satisfied()`` (the caller's need
+        was met meanwhile: the worker compacted into a fresh region with room). Waits, letting go of
+        the lock, while the pool is down to the reserve (``use_reserve``: empty); raises NoSpaceError
+        when an attempt of the worker that began after this call started waiting reclaimed nothing."""
+        floor = 0 if use_reserve else self._reserve
+        waiter = None
+        try:
+            while self._table.free_count <= floor:
+                if self._closing:
+                    raise EngineError("engine is closed")
+                if waiter is None:
+                    waiter = (floor, satisfied, self._attempts, time.monotonic())
+                    self._waiters.append(waiter)
+                    self._counters.clean_region_waits += 1
+                    self._changed.notify_all()
+                elif self._last_failed_attempt > waiter[2]:
+                    self._counters.alloc_failures += 1
+                    raise NoSpaceError(self._failure)
+                self._changed.wait()
+                if satisfied():
+                    return None
+        finally:
+            if waiter is not None:
+                self._waiters.remove(waiter)
+                self._counters.clean_region_wait_seconds += time.monotonic() - waiter[3]
+        region = self._table.take_free()
+        self._changed.notify_all()  # the worker refills the pool
+        return region
 
-        * nothing to keep: reset the victim, append its hot blocks;
-        * the open region has room for it: append it there and sync, then seal that region and
-          reset the victim (the copies stay where they are);
-        * the moved blocks, packed from the victim's start, miss the old places of its pinned
-          blocks: rewrite the victim in place (:meth:`_reclaim_in_place`);
-        * otherwise a *staging* region: a second reclaimable region holding no pinned block (its
-          records still needed go to the open region first, synced) is evicted, reset, and gets
-          copies of the pinned blocks and records, synced; then the victim is reset and gets
-          them again (newer seqs: recovery prefers them), synced; only then is the staging
-          region's header erased and the region freed. At every step one durable copy is found
-          by recovery: the victim's sealed summary, the staging region's open scan (the victim
-          is then empty), or the victim's own open scan.
+    def give_back_clean(self, region: int) -> None:
+        """A region taken but not opened (the writer found room meanwhile): the pool's first again."""
+        self._table.give_back_free(region)
+        self._changed.notify_all()
 
-        A pinned block that cannot be read (device error) aborts the reclaim of that victim (it
-        is never dropped): the next one in policy order is tried, else NoSpaceError names the
-        causes. A pinned block that fails verification (corrupt) is dropped and counted."""
+    def hold(self):
+        """A context (entered under the lock) during which the worker reclaims nothing: it waits for
+        the reclaim in flight to finish (delete_all resets the table under it)."""
+        manager = self
+
+        class _Hold:
+            def __enter__(self):
+                manager._holds += 1
+                manager._changed.wait_for(lambda: not manager._busy)
+
+            def __exit__(self, *exc):
+                manager._holds -= 1
+                manager._changed.notify_all()
+
+        return _Hold()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait (under the lock, letting go of it) until the worker has nothing to do: the pool is at
+        its target or the last attempt failed. False on a timeout (tests and benchmarks)."""
+        return self._changed.wait_for(lambda: not self._busy and not self._wanted(), timeout_s)
+
+    def close(self) -> None:
+        """Stop the worker (after the reclaim in flight); writers still waiting get EngineError."""
         with self._lock:
-            causes: list[str] = []
-            # the region being sealed may be the one to reclaim: the victim must not depend on when its
-            # seal write completes (every path below seals the open region, i.e. waits for it anyway)
-            self._allocator.reap_seal(wait=True)
-            for victim in self._table.victims():
-                if self._reclaim_victim(victim, causes):
+            self._closing = True
+            self._changed.notify_all()
+        self._worker.join()
+
+    # -- the worker -------------------------------------------------------------
+    def _wanted(self) -> bool:
+        if self._holds:
+            return False
+        free = self._table.free_count
+        for floor, satisfied, since_attempt, _ in self._waiters:
+            if free <= floor and since_attempt >= self._last_failed_attempt and not satisfied():
+                return True  # a writer waits, and no attempt since it began waiting has failed
+        return free < self.target and not self._paused_after_failure
+
+    def _run(self) -> None:
+        with self._lock:
+            while True:
+                self._changed.wait_for(lambda: self._closing or self._wanted())
+                if self._closing:
                     return
-            self._counters.alloc_failures += 1
-            if not causes:
-                raise NoSpaceError(f"no space: every one of the {self._table.sealed_count} sealed regions holds "
-                                   f"more pinned bytes than can be moved (unpin or delete blocks)")
-            raise NoSpaceError(f"no space: no region could be reclaimed without losing pinned blocks or records: "
-                               f"{'; '.join(dict.fromkeys(causes))}")
+                self._busy = True
+                try:
+                    failure = self._reclaim_one()
+                except Exception as exc:  # a bug: writers waiting must not wait forever
+                    log.exception("event=reclaim_crashed")
+                    failure = f"reclaim failed: {exc!r}"
+                finally:
+                    self._busy = False
+                self._attempts += 1
+                if failure:
+                    self._failure, self._last_failed_attempt = failure, self._attempts
+                self._paused_after_failure = bool(failure)
+                self._changed.notify_all()
 
-    def _reclaim_victim(self, victim: int, causes: list[str]) -> bool:
-        allocator, durability = self._allocator, self._durability
-        moved, unreadable, pinned_ranges = self._read_moved(victim)
-        if unreadable:
-            causes.append(f"region {victim}: {unreadable} pinned blocks unreadable (device errors)")
-            return False
-        pinned_moved = [block for block, pinned in moved if pinned]
-        records = self._needed_records(victim, {victim})
-        if not pinned_moved and not records:
-            durability.sync_before_dropping(victim, 0)
-            self._evict(victim, len(moved))
-            if allocator.active:
-                allocator.seal(wait=False)
-            allocator.start_region(victim)
-            self._move_in(moved, [])
-            return True
-        nbytes = sum(len(block) for block, _ in moved)
-        if allocator.active and allocator.open.room_for(nbytes, len(moved) + len(records)):
-            self._evict(victim, len(moved))
-            self._move_in(moved, records)
-            durability.make_durable(with_entries=True)  # the victim holds nothing needed from here
-            allocator.seal(wait=False)
-            allocator.start_region(victim)
-            return True
-        if allocator.active and allocator.open.room_for(0, len(pinned_moved) + len(records)) and \
-                not self._overlaps_new_layout(nbytes, len(moved), pinned_ranges):
-            self._reclaim_in_place(victim, moved, records)
-            return True
-        staging = self._staging_region(victim, causes)
-        if staging is None:
-            return False
-        # the victim stays readable by recovery until step 2: the staging region's records that
-        # concern the victim's blocks (tombstones) still count (durable before it is reset; they fit,
-        # _staging_region checked)
-        staging_records = self._needed_records(staging, {staging})
-        if staging_records:
-            durability.write_records(staging_records)
-            durability.make_durable(with_entries=True)
-        durability.sync_before_dropping(staging, len(staging_records))
-        if allocator.active:
-            allocator.seal(wait=False)
-        self._evict(victim, len(moved))
-        self._evict(staging, 0)
-        allocator.start_region(staging)
-        self._stage_copies(pinned_moved, records)
-        durability.make_durable(with_entries=True)  # step 1: the pinned blocks and records live in the staging region
-        allocator.active = False  # the staging image is given up unsealed (the table frees it at step 3)
-        allocator.start_region(victim)
-        self._move_in(moved, records)
-        durability.make_durable(with_entries=True)  # step 2: ... and in the victim, newer
-        # step 3: erase the staging region's header, synced: the table frees the region, so no record
-        # is kept for the stale copies it would otherwise still show recovery
-        durability.write_and_sync([(staging * self._region_size, aligned_buffer(fmt.REGION_HEADER_BYTES))])
-        self._table.discard_open(staging)
-        return True
+    def _reclaim_one(self) -> str:
+        """Reclaim one victim into the pool; '' on success, else why nothing could be reclaimed."""
+        causes: dict[str, list[int]] = {}
+        tried: set[int] = set()
+        while True:
+            if self._allocator.sealing is not None:
+                self._wait_for_seal()  # the region being sealed is a candidate: the victim must not depend on when
+            victim = self._table.next_victim(self._soft_pinned_bytes())  # its write completes
+            if victim is not None and victim in tried:
+                self._table.requeue_victim(victim)  # tried in this attempt already: first for the next one
+            if victim is None or victim in tried:
+                return "no space: " + no_space_message(causes, self._table.sealed_count,
+                                                       int(self._table.pinned_bytes.sum()),
+                                                       self._table.region_count * self._table.region_capacity_bytes)
+            tried.add(victim)
+            self._table.begin_reclaim(victim)
+            cause = self._reclaim(victim)
+            if not cause:
+                self._failures.pop(victim, None)
+                return ""
+            causes.setdefault(cause, []).append(victim)
 
-    def _reclaim_in_place(self, victim: int, moved: list[tuple[bytes, bool]], records: list[tuple]) -> None:
-        """Reclaim ``victim`` keeping its moved blocks in it, when their new places (packed from the
-        region's start) miss the old places of its pinned blocks. Order, each step synced:
+    def _wait_for_seal(self) -> None:
+        futures = self._allocator.pending_writes()
+        self._lock.release()
+        try:
+            wait_futures(futures)
+        finally:
+            self._lock.acquire()
+        self._allocator.reap_seal(wait=True)
 
-        1. in the open region: the victim's records still needed, and a pin record for the new
-           copy of each pinned block. Seqs are taken in write order -- the records, then the
-           victim's base_seq, then the copies' -- so every region's seq span holds only its own
-           entries (recovery drops entries past ``seq_span_max``); a pin record names the seq its
-           copy is about to get;
-        2. the new copies at the victim's start; its header, summary and trailer untouched, so
-           recovery still reads the old region, whose pinned blocks are intact;
-        3. the victim's header (new base_seq), alone: from here recovery scans an open region from
-           the new base_seq, whose walk finds the new copies (pinned by the records of 1); the old
-           trailer no longer matches the header and the old summary entries are older than it;
-        4. the summary pages (the new copies' entries, a zeroed trailer). Were they written with
-           the header, a crash could land them without it: the old header with a dead trailer, an
-           open scan from the old base_seq that stops before the new copies (their seqs are past
-           its span after a restart) and finds the old pinned blocks no more."""
-        allocator, durability = self._allocator, self._durability
-        durability.write_records(records)
-        pins = sum(pinned for _, pinned in moved)
-        base_seq = self._seqs.next + pins  # taken right after the pin records below
-        seqs = [base_seq + 1 + i for i in range(len(moved))]
-        for (block, pinned), seq in zip(moved, seqs):
-            if pinned:
-                k0, k1 = fmt.key_to_halves(decode_header(block).key)
-                durability.record(fmt.KIND_PIN, k0, k1, fmt.NO_NAMESPACE, seq)
-        durability.make_durable(with_entries=True)  # step 1
-        self._evict(victim, len(moved))
-        allocator.seal(wait=False)
-        assert self._seqs.take() == base_seq and [self._seqs.take() for _ in moved] == seqs, "seqs taken meanwhile"
-        image = allocator.open
-        image.reset(victim, base_seq, allocator.generation)
-        tail = self._summary_start(len(moved))
-        image.buffer[tail:] = bytes(self._region_size - tail)
-        placed = []
-        for (block, pinned), seq in zip(moved, seqs):
-            header = decode_header(block)
-            k0, k1 = fmt.key_to_halves(header.key)
-            offset = image.append_block(memoryview(block), seq, k0, k1, header.ns_id,
-                                        fmt.FLAG_PINNED if pinned else 0)
-            placed.append((k0, k1, offset, len(block), seq - base_seq, pinned))
-        assert image.last_seq - base_seq <= seq_span_max(self._region_size), (base_seq, image.last_seq)
+    def _unlocked(self, call, *args):
+        """Run ``call`` with the engine lock let go (the worker holds it once)."""
+        self._lock.release()
+        try:
+            return call(*args)
+        finally:
+            self._lock.acquire()
+
+    # -- one victim ---------------------------------------------------------------
+    def _reclaim(self, victim: int) -> str:
+        """Steps 1-6 of the module doc for ``victim`` (out of the policy); '' once it is in the pool,
+        else the reason it is not (it is back in the policy, or retired)."""
         base = victim * self._region_size
-        durability.write_and_sync([(base + fmt.REGION_HEADER_BYTES,
-                                    image.buffer[fmt.REGION_HEADER_BYTES:align_up(image.data_end)])])  # step 2
-        durability.write_and_sync([(base, image.buffer[:fmt.REGION_HEADER_BYTES])])  # step 3
-        durability.write_and_sync([(base + tail, image.buffer[tail:])])  # step 4
-        image.durable_end, image.durable_entries = image.data_end, image.entry_count
-        self._table.open(victim, base_seq, time.time())
-        allocator.active = True
-        for k0, k1, offset, nbytes, delta, pinned in placed:
-            assert delta <= SEQ_DELTA_MAX, delta
-            self._index.insert(k0, k1, base + offset, nbytes, delta | (PINNED_BIT if pinned else 0))
-            self._table.add_block(victim, nbytes, pinned)
-            self._counters.reinsertions += 1
-        self._table.last_seq[victim] = image.last_seq
+        try:
+            entries = self._unlocked(read_region_entries, self._array, victim, self._region_size,
+                                     int(self._table.base_seq[victim]))
+        except DeviceError as exc:
+            return self._device_failure(victim, f"its summary cannot be read ({exc})")
+        blocks = entries[entries["kind"] == fmt.KIND_BLOCK]
+        addrs = np.uint64(base) + blocks["offset"].astype(np.uint64)
+        copies: dict[tuple[int, int, int], tuple[bytes, bool]] = {}  # (k0, k1, addr) -> (verified block, pinned)
+        for _ in range(REVALIDATE_ROUNDS_MAX):
+            self._allocator.wait_unreserved()
+            slots = self._victim_slots(blocks, addrs)
+            to_move = self._to_move(slots)
+            missing = [slot for slot in to_move.tolist() if self._copy_key(slot) not in copies]
+            if missing:  # read without the lock, then look again: pins and reclaims may have changed it
+                outcome = self._read_blocks(missing, copies)
+                if outcome:
+                    return self._device_failure(victim, outcome)
+                continue
+            moved = [(slot, copies[self._copy_key(slot)]) for slot in to_move.tolist()]
+            records = self._needed_records(victim, {victim})
+            nbytes = sum(len(block) for _, (block, _) in moved)
+            entries_needed = sum(1 for _, (block, _) in moved if block) + len(records)
+            if self._has_room(nbytes, entries_needed):
+                break  # the lock is now held until the victim's blocks are moved or evicted
+            if self._table.free_count == 0:
+                self._table.abandon_reclaim(victim)
+                return "no clean region to compact its moved blocks into"
+            self._allocator.open_region(self._table.take_free())  # the reserve (may let go of the lock)
+        else:
+            self._table.abandon_reclaim(victim)
+            return "its blocks changed faster than they could be read"
+        pinned_moved = self._move(moved)
+        self._durability.write_records(records)
+        self._evict_rest(victim, slots, moved)
+        dropped = len(self._table.meta_records.get(victim, [])) > len(records)
+        if pinned_moved or records or (dropped and self._allocator.unsynced_writes):
+            try:
+                self._unlocked(self._durability.commit, True)
+            except DeviceError as exc:
+                # the moved copies may not be on flash: the victim keeps its contents there for good
+                self._retire(victim, f"the commit of its moved blocks failed ({exc})")
+                return "device errors"
+        self._allocator.invalidate_region(victim, self._seqs.take())
+        self._table.release(victim)
+        self._counters.reclaims += 1
+        return ""
 
-    def _summary_start(self, entries: int) -> int:
-        """The first (aligned) byte of the pages holding ``entries`` (>= 1) summary entries and the trailer."""
-        return align_down(fmt.entry_position(self._region_size, max(entries, 1) - 1))
+    def _copy_key(self, slot: int) -> tuple[int, int, int]:
+        return int(self._index.k0[slot]), int(self._index.k1[slot]), int(self._index.addr[slot])
 
-    def _overlaps_new_layout(self, nbytes: int, entries: int, ranges: list[tuple[int, int]]) -> bool:
-        """Whether ``nbytes`` of blocks packed from a region's start (aligned up), or the summary
-        pages of ``entries`` entries, would overwrite any of these [start, end) ranges of it."""
-        front_end = align_up(fmt.REGION_HEADER_BYTES + nbytes)
-        summary_start = self._summary_start(entries)
-        return any(start < front_end or end > summary_start for start, end in ranges)
+    def _has_room(self, nbytes: int, entries: int) -> bool:
+        allocator = self._allocator
+        return (not nbytes and not entries) or allocator.appendable(nbytes, entries)
 
-    def _read_moved(self, victim: int) -> tuple[list[tuple[bytes, bool]], int, list[tuple[int, int]]]:
-        """The blocks to move out of ``victim`` -- (block, pinned), in region order: every pinned
-        block, and the hot ones the reinsertion policy picks -- read and verified; how many pinned
-        ones could not be read (device errors); and the [start, end) places of the pinned ones in
-        the region. Changes nothing but statistics."""
+    def _victim_slots(self, blocks: np.ndarray, addrs: np.ndarray) -> np.ndarray:
+        """Index slots of the victim's live blocks: its summary's keys found at its addresses."""
+        if not len(blocks):
+            return np.zeros(0, np.int64)
+        slots = self._index.find_many(blocks["k0"], blocks["k1"])
+        ok = slots >= 0
+        ok[ok] = self._index.addr[slots[ok]] == addrs[ok]
+        return np.unique(slots[ok])
+
+    def _to_move(self, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` to move: pinned, soft-pinned, and hot by the reinsertion policy."""
         index = self._index
-        lo = victim * self._region_size
-        slots = index.slots_in_range(lo, lo + self._region_size)
         slots = slots[np.argsort(index.addr[slots], kind="stable")]  # region order
-        meta = index.meta[slots]
-        pinned = (meta & np.uint32(PINNED_BIT)) != 0
-        hot = np.zeros(len(slots), bool)
-        if index.track_hits:  # a reinsertion policy is configured
+        pinned = (index.meta[slots] & np.uint32(PINNED_BIT)) != 0
+        moved = pinned.copy()
+        if index.track_hits:
             unpinned = np.flatnonzero(~pinned)
             cost = index.length[slots[unpinned]].astype(np.int64) + fmt.ENTRY_BYTES
-            hot[unpinned] = self._reinsertion.select(index.hits[slots[unpinned]], cost,
-                                                     int(self._allocator.capacity_bytes * HOT_REINSERT_FRACTION_MAX))
-        moved = pinned | hot
-        keep: list[tuple[bytes, bool]] = []
+            moved[unpinned] = self._reinsertion.select(index.hits[slots[unpinned]], cost,
+                                                       int(self._allocator.capacity_bytes * HOT_REINSERT_FRACTION_MAX))
+        if self.soft_pins is not None and len(self.soft_pins):
+            moved |= np.isin(slots, self.soft_pins.live_slots(index))
+        return slots[moved]
+
+    def _read_blocks(self, slots: list[int], copies: dict) -> str:
+        """Read and verify these blocks without the lock into ``copies``; '' or why a pinned one
+        could not be read (a device error: never dropped). A corrupt one is dropped later (evicted)."""
+        index = self._index
+        requests = [(fmt.halves_to_key(index.k0[s], index.k1[s]), int(index.addr[s]), int(index.length[s]),
+                     self._blocks.seq_of(s)) for s in slots]
+        pinned = [bool(index.meta[s] & np.uint32(PINNED_BIT)) for s in slots]
+        keys = [self._copy_key(s) for s in slots]
+        outcomes = self._unlocked(self._reader.read_many, requests)
         unreadable = 0
-        ranges = [(int(index.addr[slot]) - lo, int(index.addr[slot]) - lo + int(index.length[slot]))
-                  for slot in slots[pinned].tolist()]
-        for slot, as_pinned in zip(slots[moved].tolist(), pinned[moved].tolist()):
-            block = self._reader.read_one(fmt.halves_to_key(index.k0[slot], index.k1[slot]),
-                                          int(index.addr[slot]), int(index.length[slot]),
-                                          self._blocks.seq_of(slot))
-            if isinstance(block, bytes):
-                keep.append((block, as_pinned))
-            elif block is ReadFailure.CORRUPT:
-                self._counters.corrupt_reads += 1  # torn or damaged: dropped, whether pinned or not
+        for key, as_pinned, outcome in zip(keys, pinned, outcomes):
+            if isinstance(outcome, bytes):
+                copies[key] = (outcome, as_pinned)
+            elif outcome is ReadFailure.CORRUPT:
+                self._counters.corrupt_reads += 1
+                copies[key] = (b"", as_pinned)  # torn or damaged: dropped, whether pinned or not
             else:
                 self._counters.device_errors += 1
                 unreadable += as_pinned  # a hot block is only a cache hint; a pinned one is never dropped
-        return keep, unreadable, ranges
+        return f"{unreadable} pinned blocks unreadable (device errors)" if unreadable else ""
 
-    def _staging_region(self, victim: int, causes: list[str]) -> int | None:
-        """A region to stage the victim's pinned blocks in: reclaimable, no pinned block, and its
-        records still needed fit the open region."""
-        for region in self._table.victims():
-            if region == victim or self._table.pinned_bytes[region]:
-                continue
-            needed = len(self._needed_records(region, {region}))
-            if not needed or (self._allocator.active and self._allocator.open.room_for(0, needed)):
-                return region
-        causes.append(f"region {victim}: no room to stage its pinned blocks and records (the open region is "
-                      f"full and every other reclaimable region holds pinned blocks or records still needed)")
-        return None
-
-    def _evict(self, region: int, moved: int) -> None:
-        """Drop every block of ``region`` from the index (``moved`` of them are being moved) and
-        release it."""
-        lo = region * self._region_size
-        slots = self._index.slots_in_range(lo, lo + self._region_size)
-        pinned = (self._index.meta[slots] & np.uint32(PINNED_BIT)) != 0
-        self._table.drop_blocks(np.full(len(slots), region), self._index.length[slots].astype(np.int64), pinned)
-        self._index.remove(slots)
-        self._counters.evicted_blocks += int(len(slots) - moved)
-        self._counters.evicted_regions += 1
-        self._table.release(region)
-
-    def _move_in(self, moved: list[tuple[bytes, bool]], records: list[tuple]) -> None:
-        """Append moved blocks and records to the open region (durable if any is pinned or a record)."""
-        for block, pinned in moved:
-            self._allocator.append(memoryview(block), decode_header(block), pinned=pinned)
+    def _move(self, moved: list[tuple[int, tuple[bytes, bool]]]) -> bool:
+        """Append the copies to the open region and point their slots there (they are still at the
+        victim's addresses: checked under this lock hold); returns whether a pinned one moved. A
+        moved block keeps its key: no block event (block_events)."""
+        index, table = self._index, self._table
+        pinned_any = False
+        for slot, (block, _) in moved:
+            if not block:
+                continue  # corrupt: evicted with the rest
+            pinned = bool(index.meta[slot] & np.uint32(PINNED_BIT))  # as now: pinned or unpinned meanwhile
+            old_region = int(index.addr[slot]) // self._region_size
+            length = int(index.length[slot])
+            addr, seq = self._allocator.append_moved(memoryview(block), decode_header(block), pinned)
+            table.drop_blocks(np.array([old_region]), np.array([length]), np.array([pinned]))
+            delta = seq - int(table.base_seq[addr // self._region_size])
+            assert delta <= SEQ_DELTA_MAX, delta
+            index.addr[slot] = addr
+            index.meta[slot] = delta | (PINNED_BIT if pinned else 0)
+            if index.track_hits:
+                index.hits[slot] = 0
+            pinned_any |= pinned
             self._counters.reinsertions += 1
-        self._durability.write_records(records)
-        if records or any(pinned for _, pinned in moved):
-            self._durability.make_durable(with_entries=True)  # a crash must not unpin what was just moved
+        return pinned_any
 
-    def _stage_copies(self, blocks: list[bytes], records: list[tuple]) -> None:
-        """Staging: copies of pinned blocks and records in the open region's image only (index and
-        table untouched): recovery finds them if a crash comes before the victim has them."""
-        image = self._allocator.open
-        for block in blocks:
-            header = decode_header(block)
-            k0, k1 = fmt.key_to_halves(header.key)
-            image.append_block(memoryview(block), self._seqs.take(), k0, k1, header.ns_id, fmt.FLAG_PINNED)
-        for kind, k0, k1, ns, target_seq in records:
-            image.append_meta(kind, k0, k1, ns, self._seqs.take(), target_seq)
+    def _evict_rest(self, victim: int, slots: np.ndarray, moved: list) -> None:
+        """Drop the victim's blocks that did not move from the index."""
+        kept = {slot for slot, (block, _) in moved if block}
+        doomed = np.array([slot for slot in slots.tolist() if slot not in kept], np.int64)
+        self._blocks.forget(doomed)
+        if self._table.live_blocks[victim]:  # blocks its summary does not list (it was damaged): by address
+            lo = victim * self._region_size
+            extra = self._index.slots_in_range(lo, lo + self._region_size)
+            self._blocks.forget(extra)
+            doomed = np.concatenate([doomed, extra])
+        self._counters.evicted_blocks += int(len(doomed))
+        self._counters.evicted_regions += 1
+
+    def _device_failure(self, victim: int, what: str) -> str:
+        """A reclaim of ``victim`` that changed nothing failed on a device error."""
+        self._counters.reclaim_errors += 1
+        failures = self._failures.get(victim, 0) + 1
+        self._failures[victim] = failures
+        if failures >= RECLAIM_FAILURES_MAX:
+            self._retire(victim, what)
+        else:
+            log.warning("event=reclaim_failed region=%d reason=%r", victim, what)
+            self._table.abandon_reclaim(victim)
+        return what.split(" (")[0]
+
+    def _retire(self, victim: int, why: str) -> None:
+        self._failures.pop(victim, None)
+        self._table.retire(victim)
+        self._counters.regions_retired += 1
+        log.error("event=region_retired region=%d reason=%r (it is not reused until a restart)", victim, why)
+
+    def _soft_pinned_bytes(self) -> np.ndarray | None:
+        """Soft-pinned bytes per region (None without soft pins): they count as pinned when
+        choosing a victim, so a region full of them is not reclaimed to free nothing."""
+        if self.soft_pins is None or not len(self.soft_pins):
+            return None
+        return self.soft_pins.bytes_by_region(self._index, self._region_size, self._table.region_count)
 
     def _needed_records(self, region: int, gone: set[int]) -> list[tuple]:
         """The metadata records of ``region`` that must outlive it -- (kind, k0, k1, ns, target_seq)
-        -- if the regions in ``gone`` are evicted: tombstones and namespace tombstones while a live
-        region outside ``gone`` is older than their target (it may hold a block they delete), and
-        the current pin state of blocks still present.
+        -- if the regions in ``gone`` are evicted: tombstones and namespace tombstones while a region
+        outside ``gone`` whose contents recovery may read is older than their target (it may hold a
+        block they delete), and the current pin state of blocks still present.
 
         A tombstone's target is the newest copy of its key, but a crash can leave older copies
-        in other regions, which recovery serves again once the tombstone is gone (a kill between
-        moving a pinned block out of a victim and rewriting the victim's header leaves both; the
-        index knows only the newest). So a tombstone goes only with the last region that may hold
-        any copy it deletes: one whose base_seq is below the target (a block's seq exceeds its
-        region's base_seq)."""
-        live = self._table.state != RegionState.FREE
+        in other regions (a freed region keeps its contents on flash until it is opened again),
+        which recovery serves again once the tombstone is gone. So a tombstone goes only with
+        the last region that may hold any copy it deletes: one whose base_seq is below the target
+        (a block's seq exceeds its region's base_seq)."""
+        records = self._table.meta_records.get(region, [])
+        if not records:
+            return []
+        live = self._table.live_for_records()
         live[list(gone)] = False
-        live_base = self._table.base_seq[live]
+        oldest = int(self._table.base_seq[live].min()) if live.any() else None
         out = []
-        for kind, k0, k1, ns, _, target_seq in self._table.meta_records.get(region, []):
+        for kind, k0, k1, ns, _, target_seq in records:
             if kind in (fmt.KIND_TOMBSTONE, fmt.KIND_NS_TOMBSTONE):
-                if np.any(live_base < np.uint64(target_seq)):
+                if oldest is not None and oldest < target_seq:
                     out.append((kind, k0, k1, ns, target_seq))
             else:
                 slot = self._index.find(k0, k1)
@@ -320,4 +437,20 @@ class RegionManager:
                         int(self._index.addr[slot]) // self._region_size not in gone:
                     now_pinned = bool(self._index.meta[slot] & np.uint32(PINNED_BIT))
                     out.append((fmt.KIND_PIN if now_pinned else fmt.KIND_UNPIN, k0, k1, ns, target_seq))
+                elif slot < 0 and oldest is not None and oldest < target_seq:
+                    out.append((kind, k0, k1, ns, target_seq))  # evicted, but a copy recovery may read is pinned
         return out
+
+    def invalidate_freed(self, generation: int) -> None:
+        """At a clean close: give every freed region whose old contents are still on flash a new
+        header (synced), so a restart finds it free instead of serving what was evicted from it."""
+        stale = np.flatnonzero(self._table.stale_on_flash).tolist()
+        if not stale:
+            return
+        ranges = []
+        for region in stale:
+            page = aligned_buffer(fmt.REGION_HEADER_BYTES)
+            page[:] = fmt.encode_region_header(fmt.RegionHeader(generation, region, self._seqs.take()))
+            ranges.append((region * self._region_size, page))
+        self._durability.write_and_sync(ranges)
+        self._table.stale_on_flash[stale] = False

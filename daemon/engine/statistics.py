@@ -21,6 +21,14 @@ class EngineCounters:
     corrupt_reads: int = 0
     recovered_blocks: int = 0
     puts_received_in_place: int = 0  # of puts: blocks received straight into the open region (no copy)
+    pins_refused: int = 0  # PIN requests refused at the pinned-bytes limit (pinned_fraction_max)
+    clean_region_waits: int = 0  # writers that found the clean-region pool empty and waited for the reclaim worker
+    clean_region_wait_seconds: float = 0.0  # the time they waited, summed
+    reclaims: int = 0  # regions the reclaim worker returned to the pool
+    reclaim_errors: int = 0  # reclaims given up on a device error (the region back in the policy, or retired)
+    regions_retired: int = 0  # regions never reused again (until a restart) after device errors in their reclaim
+    group_commits: int = 0  # durability commits run (each one write pass and fdatasync for every caller waiting)
+    durable_commit_waiters: int = 0  # callers acknowledged by those commits (durable puts, flushes, reclaims)
 
 
 @dataclass(frozen=True)
@@ -45,3 +53,17 @@ class EngineStatistics:
     puts_received_in_place: int
     recovery_seconds: float
     index_bytes: int
+    pins_refused: int = 0
+    pinned_bytes: int = 0  # hard and soft pins
+    soft_pinned_bytes: int = 0
+    soft_pins: int = 0  # soft pins live now (some of their blocks may be gone)
+    soft_pins_expired: int = 0  # soft pins that ran out since the start
+    pinned_bytes_max: int = 0  # the limit: pinned_fraction_max of the store's room for blocks
+    clean_region_waits: int = 0
+    clean_region_wait_seconds: float = 0.0
+    reclaims: int = 0
+    reclaim_errors: int = 0
+    regions_retired: int = 0
+    group_commits: int = 0
+    durable_commit_waiters: int = 0
+    clean_regions_target: int = 0  # the pool size the reclaim worker keeps (clean_regions_target, bounded)

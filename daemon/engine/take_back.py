@@ -1,0 +1,131 @@
+"""All or nothing: what a failed request appended to the open region is taken back.
+
+A PUT batch, a DELETE, a PIN or an UNPIN appends blocks and metadata records to the open
+region's image, then makes them durable. If it fails part way -- a reclaim finds no room
+(NoSpaceError), a write or sync fails (DeviceError) -- its caller gets an error, so nothing
+of it may stay: :func:`appends_or_nothing` marks the open image before the request appends
+and, if the request raises, zeroes what it appended (no later seal or durable write carries
+it, no recovery walk finds it) and, where the failure was a device error, writes the zeroed
+pages once more so that what a failed write may have left on flash is covered too. Index
+changes are the caller's: they come after the appends succeeded, or are undone by the
+``undo`` callback.
+
+What cannot be taken back: appends to a region that was sealed while the request ran (a
+batch that spans regions). Their caller undoes them in memory; a restart before that
+region is reclaimed may bring them back.
+
+A durable PUT whose group commit fails (:func:`take_back_failed_commit`) cannot be zeroed
+either: the commit ran without the lock, other writers' blocks may share its pages and follow
+it in the region (zeroing would cut recovery's walk short of them), and after a failed
+fdatasync what reached flash is unknown. So its blocks leave the index and a tombstone for
+each (its seq) goes into the open region's summary: written at once (best effort: the device
+just failed) and by every later commit until one succeeds (``Durability.owe_entries``).
+From the first write that lands, no restart serves them; until then a crash may bring
+them back.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from . import regionfmt as fmt
+from .allocator import Allocator
+from .blockmap import BlockMap
+from .durability import Durability
+from .errors import DeviceError
+from .regions import RegionTable
+
+
+class appends_or_nothing:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Callers hold the engine lock throughout (the mark is only good while nobody else appends).
+    ``write_and_sync``: (logical offset, buffer) ranges to write and sync (``Durability.write_and_sync``).
+    A class, not a generator: every PUT enters one."""
+
+    __slots__ = ("_allocator", "_table", "_region_size", "_write_and_sync", "_undo", "_image", "_mark")
+
+    def __init__(self, allocator: Allocator, table: RegionTable, region_size_bytes: int,
+                 write_and_sync: Callable[[list], None], undo: Callable[[], None] | None = None):
+        self._allocator, self._table, self._region_size = allocator, table, region_size_bytes
+        self._write_and_sync, self._undo = write_and_sync, undo
+        self._image = allocator.open if allocator.active else None
+        self._mark = None
+
+    def __enter__(self) -> None:
+        image = self._image
+        if image is not None:
+            region = image.region
+            self._mark = (region, image.data_end, image.entry_count, image.last_seq, int(self._table.last_seq[region]),
+                          len(self._table.meta_records.get(region, ())))
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if self._undo is not None:
+            self._undo()
+        allocator, table, image = self._allocator, self._table, self._image
+        if image is not None and allocator.active and allocator.open is image and image.region == self._mark[0] \
+                and allocator.reservation is None:
+            region, data_end, entries, last_seq, table_last_seq, records_kept = self._mark
+            ranges = image.take_back(data_end, entries, last_seq)
+            table.last_seq[region] = table_last_seq
+            if region in table.meta_records:
+                del table.meta_records[region][records_kept:]
+            if ranges and isinstance(exc, DeviceError):
+                _cover(self._write_and_sync, region * self._region_size, image, ranges)
+        return False
+
+
+def _cover(write_and_sync: Callable[[list], None], base: int, image, ranges) -> None:
+    """Write the zeroed pages of a failed request once more (best effort: the device just
+    failed, and the request's own error is what the caller gets; write_and_sync counts it)."""
+    try:
+        write_and_sync([(base + start, image.buffer[start:end]) for start, end in ranges])
+    except DeviceError:
+        pass
+
+
+def forget_new_keys(blocks: BlockMap, k0s: np.ndarray, k1s: np.ndarray, slots_before) -> Callable[[], None]:
+    """An ``undo`` for a PUT batch: drop from the index the batch's keys that were absent when it
+    started (``slots_before`` < 0; under the same lock hold, nobody else stored them meanwhile)."""
+    def undo() -> None:
+        absent = np.asarray(slots_before) < 0
+        slots = blocks.index.find_many(k0s[absent], k1s[absent])
+        blocks.forget(np.unique(slots[slots >= 0]))
+    return undo
+
+
+def take_back_failed_commit(blocks: BlockMap, allocator: Allocator, durability: Durability, placed: list[tuple],
+                            region_size_bytes: int) -> None:
+    """After a durable PUT's commit failed (under the lock, let go of since): ``placed`` is the
+    (k0, k1, addr, seq) of its blocks. Those still indexed there (same seq) leave the index, but not one a
+    later commit made durable meanwhile (another caller's PUT of the same key was acknowledged);
+    each one dropped, or evicted meanwhile (its bytes may still be on flash), gets a tombstone.
+    Raises what appending them raises (NoSpaceError: no room for a record; DeviceError: a seal
+    that room needs failed): the caller then fails the engine closed."""
+    k0, k1, addr, seq = (np.array(col, np.uint64) for col in zip(*placed))
+    index = blocks.index
+    slots = index.find_many(k0, k1)
+    found = slots >= 0
+    doomed = found.copy()
+    doomed[found] = (index.addr[slots[found]] == addr[found]) & (blocks.seqs_of(slots[found]) == seq[found])
+    for i in np.flatnonzero(doomed).tolist():
+        doomed[i] = not _durable_now(allocator, int(addr[i]), int(index.length[slots[i]]), region_size_bytes)
+    blocks.forget(slots[doomed])
+    for i in np.flatnonzero(doomed | ~found).tolist():
+        durability.record(fmt.KIND_TOMBSTONE, int(k0[i]), int(k1[i]), fmt.NO_NAMESPACE, int(seq[i]))
+    durability.owe_entries()
+    try:
+        durability.persist_records()
+    except DeviceError:
+        pass  # failed again (counted): a later commit writes them
+
+
+def _durable_now(allocator: Allocator, addr: int, length: int, region_size_bytes: int) -> bool:
+    """Whether a block is on flash and synced: within the open image's synced prefix, or in a
+    sealed region (no DRAM image) with every seal synced."""
+    region = addr // region_size_bytes
+    image = allocator.image_of(region)
+    if image is None:
+        return not allocator.unsynced_writes
+    return image is allocator.open and addr - region * region_size_bytes + length <= image.durable_end
