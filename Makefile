@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DATA_DIR ?= ./data
 
-.PHONY: run test lint test-engines perf clean-venv cluster
+.PHONY: run test lint test-engines perf clean-venv cluster nixl
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ $(VENV)/.test-deps: $(PY) pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
 	touch $@
+
+# the daemon with the NIXL transport (docs/nixl.md): torch==2.13.0 first, as for the tests, or
+# nixl-cu12's unpinned torch requirement pulls a multi-GB CUDA build
+$(VENV)/.nixl-deps: $(PY) pyproject.toml
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[daemon,nixl]'
+	touch $@
+
+nixl: $(VENV)/.nixl-deps
 
 run: $(VENV)/.run-deps
 	$(VENV)/bin/kvtierd --data-dir $(DATA_DIR)

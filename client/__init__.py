@@ -15,6 +15,7 @@ _EXPORTS = {
     "BlockLocationInfo": "kvtier.client.block_client",
     "ClientStatistics": "kvtier.client.block_client",
     "AsyncBlockClient": "kvtier.client.async_block_client",
+    "EdgePicker": "kvtier.client.edge_picker",
     "ClientError": "kvtier.wire.events",
     "RemoteError": "kvtier.wire.events",
     "ProtocolError": "kvtier.wire.events",

@@ -14,7 +14,7 @@ import time
 from kvtier.wire import connection as p
 from kvtier.client import transport_ops as ops
 from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientBase, ClientStatistics, _lost, _not_repeated,
-                                        accept_reply, geometry_from_info)
+                                        accept_reply, geometry_from_info, pin_request)
 from kvtier.common.stripe import StripeGeometry
 
 READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
@@ -221,9 +221,10 @@ class AsyncBlockClient(ClientBase):
         keys = list(keys)
         return await self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits), repeatable=False)
 
-    async def pin(self, keys) -> list[bool]:
+    async def pin(self, keys, ttl_s: float | None = None) -> list[bool]:
+        """See :meth:`BlockClient.pin` (``ttl_s``: a soft pin that expires by itself)."""
         keys = list(keys)
-        return await self._call(lambda: ops.op_bools(p.Pin, keys, None, self.limits))
+        return await self._call(lambda: ops.op_bools(pin_request(ttl_s), keys, None, self.limits))
 
     async def unpin(self, keys) -> list[bool]:
         keys = list(keys)

@@ -19,6 +19,7 @@ a block that fails is a miss.
 """
 from __future__ import annotations
 
+import math
 import queue
 import select
 import socket
@@ -30,7 +31,9 @@ import numpy as np
 
 from kvtier.wire import connection as p
 from kvtier.client import transport_ops as ops
+from kvtier.client.scatter_plan import ScatterPlan
 from kvtier.wire.sockets import receive_some, sendmsg_all
+from kvtier.wire.events import PIN_TTL_MS_MAX
 from kvtier.wire.writers import check_key
 from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
 from kvtier.common.stripe import StripeGeometry
@@ -38,6 +41,7 @@ from kvtier.common.stripe import StripeGeometry
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
 REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)
 PIPELINE_FRAMES_MAX = 8  # frames in flight per connection: bounds buffering on both sides
+PIN_TTL_S_MAX = PIN_TTL_MS_MAX / 1000  # a soft pin's TTL goes on the wire as a u32 of milliseconds
 ZERO_COPY = object()  # `into` marker: receive each reply into a buffer of its own and keep views
 
 
@@ -46,6 +50,17 @@ ZERO_COPY = object()  # `into` marker: receive each reply into a buffer of its o
 # LOOKUP reply's locations are handed out without a second object per key.
 BlockLocationInfo = p.Location
 
+
+
+def pin_request(ttl_s: float | None):
+    """How a PIN frame is made for ``ttl_s`` (``kind(request_id, keys, ns_id)``): a hard pin, or a
+    soft one whose TTL goes out in whole milliseconds (rounded up); ValueError names a bad TTL."""
+    if ttl_s is None:
+        return p.Pin
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= PIN_TTL_S_MAX:
+        raise ValueError(f"pin ttl_s must be a number in (0, {PIN_TTL_S_MAX}] seconds, got {ttl_s!r}")
+    ttl_ms = min(max(1, math.ceil(ttl_s * 1000)), PIN_TTL_MS_MAX)
+    return lambda request_id, keys, ns_id: p.Pin(request_id, keys, ns_id, ttl_ms)
 
 @dataclass(frozen=True)
 class ClientStatistics:
@@ -206,9 +221,12 @@ class _Channel:
             while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
                 self.wire_bytes_sent += sendmsg_all(self.sock, self.conn.send_parts(messages[sent],
                                                                                  request_id=self._next_id))
+                if isinstance(into, ScatterPlan):
+                    into.sent(self._next_id)
                 self._next_id += 1
                 sent += 1
-            reply = self._read_reply(into if len(messages) == 1 or into is ZERO_COPY else None)
+            many = into is ZERO_COPY or isinstance(into, ScatterPlan)
+            reply = self._read_reply(into if len(messages) == 1 or many else None)
             first_error = accept_reply(reply, self._next_id - (sent - len(replies)), first_error)
             replies.append(reply)
         if first_error is not None:
@@ -227,9 +245,13 @@ class _Channel:
                 head = conn.pending_head
                 if head is not None and head is not head_placed:
                     head_placed = head
-                    if into is ZERO_COPY:  # the blocks are returned as views of this buffer
+                    scatter = into.views_for(head.request_id, conn.pending_meta) \
+                        if isinstance(into, ScatterPlan) and head.base_op == p.Op.GET else None
+                    if scatter is not None:  # GET blocks straight into their destinations
+                        conn.set_payload_buffers(scatter)
+                    elif into is ZERO_COPY:  # the blocks are returned as views of this buffer
                         conn.set_payload_buffer(self._views.take(head.payload_len))
-                    elif into is not None and head.payload_len <= into.nbytes:
+                    elif isinstance(into, memoryview) and head.payload_len <= into.nbytes:
                         conn.set_payload_buffer(into)
                     elif head.payload_len <= RECEIVE_SCRATCH_BYTES_MAX:
                         if len(self._scratch) < head.payload_len:
@@ -242,7 +264,7 @@ class _Channel:
                 raise p.ConnectionLost("the daemon closed the connection")
             if in_scratch and isinstance(event, p.GetReply):
                 event = p.GetReply(event.request_id, tuple(b if b is None or b is p.DEFERRED else bytes(b)
-                                                           for b in event.blocks))
+                                                           for b in event.blocks), origins=event.origins)
             return event
 
 
@@ -365,17 +387,55 @@ class BlockClient(ClientBase):
     def get(self, key, ns_id: bytes | None = None, copy: bool = True) -> bytes | None:
         return self.get_many([key], ns_id, copy)[0]
 
-    def get_many(self, keys, ns_id: bytes | None = None, copy: bool = True) -> list[bytes | None]:
+    def get_many(self, keys, ns_id: bytes | None = None, copy: bool = True,
+                 origins: list | None = None) -> list[bytes | None]:
         """Verified blocks, None for a miss. ``copy=False`` returns read-only
         memoryviews into the reply buffer instead of bytes: one memory pass
-        less per block (the buffer lives as long as any view of it)."""
+        less per block (the buffer lives as long as any view of it). ``origins``
+        (a list) is filled with one bool per key: True where the daemon fetched
+        the block from its upstream (HELLO feature ``upstream``), else False."""
         keys = list(keys)
+        reported = self._origins_list(origins, len(keys))
         results, corrupt = self._call(lambda: ops.op_get_many(keys, ns_id, self.limits, copy=copy,
-                                                              reader_verifies=self._reader_verifies),
+                                                              reader_verifies=self._reader_verifies,
+                                                              origins=reported),
                                       into=None if copy else ZERO_COPY)
         if corrupt:
             self._count(corrupt_blocks=corrupt)
         return results
+
+    def get_many_into(self, keys, targets, head_nbytes: int, ns_id: bytes | None = None) -> list:
+        """GET each block straight into its destination: block i's bytes past its first
+        ``head_nbytes`` (block header + codec header) are received into the writable views
+        ``targets[i]``, in order, and verified there (CRC over the views, key). Per key a
+        :class:`~.scatter_plan.LandedBlock`, a verified read-only block where it came in
+        another size than planned (it landed apart), or None for a miss (a target may then
+        hold any bytes)."""
+        keys = list(keys)
+        if len(keys) != len(targets):
+            raise ValueError(f"{len(keys)} keys but {len(targets)} targets")
+        plan = ScatterPlan(head_nbytes, targets)
+        results, corrupt = self._call(lambda: ops.op_get_into(keys, ns_id, self.limits, plan, self._reader_verifies),
+                                      into=plan)
+        if corrupt:
+            self._count(corrupt_blocks=corrupt)
+        return results
+
+    @property
+    def has_upstream(self) -> bool:
+        """The daemon answers misses from an upstream and says per block where it came from."""
+        return self._info is not None and p.FEATURE_UPSTREAM in self._info.get("features", ())
+
+    def _origins_list(self, origins: list | None, count: int) -> list | None:
+        """``origins`` to fill from the reply where the daemon reports them, else filled with False now."""
+        if origins is None:
+            return None
+        if self._info is None:
+            self.ping()  # learn the features first
+        if self.has_upstream:
+            return origins
+        origins[:] = [False] * count
+        return None
 
     def get_into(self, key, buffer) -> int | None:
         """Receive the block straight into ``buffer``; its size, or None on a
@@ -400,9 +460,15 @@ class BlockClient(ClientBase):
             self._count(corrupt_blocks=1)
         return None
 
-    def lookup(self, keys, ns_id: bytes | None = None) -> int:
+    def lookup(self, keys, ns_id: bytes | None = None, origins: list | None = None) -> int:
+        """Leading keys of the chain the daemon holds (or, with an upstream, can fetch);
+        ``origins`` (a list) is filled with one bool per leading key: True where only the
+        daemon's upstream holds it."""
         keys = list(keys)
-        leading, _ = self._call(lambda: ops.op_lookup(keys, ns_id, False, self.limits))
+        reported = self._origins_list(origins, 0)
+        leading, _ = self._call(lambda: ops.op_lookup(keys, ns_id, False, self.limits, reported))
+        if origins is not None and reported is None:
+            origins[:] = [False] * leading
         return leading
 
     def lookup_locations(self, keys, ns_id: bytes | None = None) -> tuple[int, list[BlockLocationInfo | None]]:
@@ -420,9 +486,13 @@ class BlockClient(ClientBase):
         keys = list(keys)
         return self._call(lambda: ops.op_bools(p.Delete, keys, None, self.limits), repeatable=False)
 
-    def pin(self, keys) -> list[bool]:
+    def pin(self, keys, ttl_s: float | None = None) -> list[bool]:
+        """Pin blocks (per key: present). ``ttl_s``: a soft pin that expires by itself after that
+        many seconds (kept in the daemon's memory only; needs the ``pin_ttl`` HELLO feature);
+        None: a hard pin, durable until :meth:`unpin`. A pin past the daemon's pinned-bytes
+        limit raises RemoteError(NO_SPACE) and pins nothing."""
         keys = list(keys)
-        return self._call(lambda: ops.op_bools(p.Pin, keys, None, self.limits))
+        return self._call(lambda: ops.op_bools(pin_request(ttl_s), keys, None, self.limits))
 
     def unpin(self, keys) -> list[bool]:
         keys = list(keys)

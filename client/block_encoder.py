@@ -86,11 +86,14 @@ class EncodedBlocks:
         self._pool = pool
         self._ns_id, self._codec_id = ns_id, codec_id
         self._unsealed: list[bytes] = []  # the keys of blocks whose header is still to write
+        self.sealed_blocks = 0  # headers written (CRCs computed)
 
-    def seal(self) -> None:
-        """Write every block's header (its payload CRC computed where the payload lies)."""
-        for key, block in zip(self._unsealed, self.blocks):
+    def seal(self, first: int = 0) -> None:
+        """Write the headers of blocks ``first ..`` (each payload CRC computed where the payload
+        lies); blocks before ``first`` stay unsealed (a save skips what the daemon holds)."""
+        for key, block in zip(self._unsealed[first:], self.blocks[first:]):
             block[:HEADER_SIZE] = encode_header(key, self._ns_id, self._codec_id, block[HEADER_SIZE:])
+        self.sealed_blocks += max(0, len(self._unsealed) - first)
         self._unsealed = []
 
     @property

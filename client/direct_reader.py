@@ -18,7 +18,8 @@ make that detectable: a block that does not validate is returned as
 ``None`` and the caller falls back to TCP. Wrong KV is never returned.
 
 Backends: ``posix`` (O_DIRECT ``preadv``, always available on Linux, and what
-``auto`` picks) and ``kvikio`` (cuFile, on request; needs ``libcuda.so.1`` even
+``auto`` picks), ``nixl`` (NIXL's POSIX file backend, every piece of a batch in one
+transfer, :mod:`.nixl_file_reads`; a failed NIXL read is read again with ``posix``) and ``kvikio`` (cuFile, on request; needs ``libcuda.so.1`` even
 in compat mode). Both read into host buffers, where the CRC is checked: kvikio
 gains nothing there, so ``auto`` does not choose it; reads straight into HBM
 belong to NIXL's GDS backend.
@@ -26,6 +27,7 @@ belong to NIXL's GDS backend.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +60,7 @@ class DirectReaderStatistics:
     bytes_read: int  # bytes moved from the devices, alignment padding included
     validation_failures: int  # blocks whose key, sequence or CRC did not match (recycled regions)
     io_errors: int
+    nixl_fallbacks: int = 0  # batches the nixl backend failed to read and preadv read instead
 
 
 def libcuda_available() -> bool:
@@ -82,8 +85,10 @@ def kvikio_available() -> bool:
 def choose_backend(requested: str = "auto") -> str:
     """``auto`` picks posix (see the module doc); an explicit
     request that cannot be met is a ValueError naming what is missing."""
-    if requested not in ("auto", "posix", "kvikio"):
-        raise ValueError(f"direct read backend must be auto, posix or kvikio, got {requested!r}")
+    if requested not in ("auto", "posix", "kvikio", "nixl"):
+        raise ValueError(f"direct read backend must be auto, posix, kvikio or nixl, got {requested!r}")
+    if requested == "nixl" and importlib.util.find_spec("nixl_cu12") is None:
+        raise ValueError("nixl backend requested but NIXL is not installed: pip install 'kvtier[nixl]'")
     if requested == "kvikio" and not kvikio_available():
         raise ValueError("kvikio backend requested but unavailable: needs libcuda.so.1 and the kvikio package")
     if requested == "auto":
@@ -128,7 +133,15 @@ class DirectReader:
             raise
         self._pool = ThreadPoolExecutor(max_workers=len(self._fds), thread_name_prefix="kvtier-direct")
         self._lock = threading.Lock()
-        self._blocks = self._bytes = self._failures = self._io_errors = 0
+        self._blocks = self._bytes = self._failures = self._io_errors = self._nixl_fallbacks = 0
+        self._nixl_files = None
+        if self.backend == "nixl":
+            from .nixl_file_reads import NixlFileReads
+            try:
+                self._nixl_files = NixlFileReads(self._fds)
+            except BaseException:
+                self.close()
+                raise
         self._cufiles: dict = {}  # kvikio handles, one per device path, opened on first use
 
     def _open(self, path: str) -> int:
@@ -202,6 +215,13 @@ class DirectReader:
             for dev, dev_off, length in self.geometry.map_range(span.start, span.end - span.start):
                 per_device.setdefault(dev, []).append((dev_off, view[pos:pos + length]))
                 pos += length
+        if self._nixl_files is not None:
+            try:
+                self._nixl_files.read([(dev, off, v) for dev, pieces in per_device.items() for off, v in pieces])
+                return
+            except OSError:
+                with self._lock:
+                    self._nixl_fallbacks += 1  # read again below, with preadv
         futures = [self._pool.submit(self._read_device, dev, pieces) for dev, pieces in per_device.items()]
         errors = []
         for fut in futures:
@@ -249,12 +269,15 @@ class DirectReader:
         with self._lock:
             return DirectReaderStatistics(backend=self.backend, o_direct=self._o_direct, blocks_read=self._blocks,
                                           bytes_read=self._bytes, validation_failures=self._failures,
-                                          io_errors=self._io_errors)
+                                          io_errors=self._io_errors, nixl_fallbacks=self._nixl_fallbacks)
 
     def close(self) -> None:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
+        if getattr(self, "_nixl_files", None) is not None:
+            self._nixl_files.close()
+            self._nixl_files = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []

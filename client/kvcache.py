@@ -17,9 +17,10 @@ engine prefill only the rest; after prefill it stores the new blocks::
       one LOOKUP round trip -> skip the leading blocks already stored
       -> encode + PUT the rest (one batch), and keep them hot
 
-cold (the daemon's upstream) is served through the daemon; the client cannot
-yet tell an upstream fill from a local hit, so its counters stay zero until
-the protocol reports it.
+cold (the daemon's upstream, ``kvtierd --upstream``) is served through the
+daemon, which says per block whether it held it or fetched it from its upstream
+(``FLAG_WANT_ORIGIN``): ``statistics().cold`` counts the blocks fetched upstream
+for this client (hits, bytes, latency), ``warm`` the blocks the daemon held.
 
 Several daemon addresses form a static cluster: each key has one owner by
 rendezvous hashing over the addresses (:mod:`.routing`, the rule every
@@ -43,9 +44,11 @@ from kvtier.kernels import MixedCodec, get_codec
 
 from .block_decoder import BlockDecoder
 from .block_encoder import BlockEncoder, gather_block
-from .block_payload import check_kv, copy_block_into, copy_tensor, empty_kv, layers_of
+from .block_payload import check_kv, copy_block_into, copy_tensor, layers_of
 from .direct_reader import DirectReader
 from .hot_pool import HotPool
+from .output_buffers import OUTPUT_BUFFERS_BYTES_MAX, LoadOutputs
+from .group_streamer import stream_groups
 from .prefix_load import PrefixLoad
 from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
 from kvtier.common.cluster_url import is_cluster_url
@@ -59,7 +62,7 @@ log = logging.getLogger(__name__)
 DEFAULT_HOT_POOL_BYTES = 256 * 1024 * 1024  # a modest default; engines size it from free HBM
 WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at a time
 FETCH_STREAMS_MAX = 4  # parallel GET batches per daemon and load: the daemon reads them from its devices at once
-TRANSPORTS = ("auto", "tcp", "direct")
+TRANSPORTS = ("auto", "tcp", "direct", "nixl")  # nixl: docs/nixl.md (auto: where installed and offered)
 CLUSTER_REPLICAS_DEFAULT = 2  # copies of each block on an etcd cluster: one node may die
 CLUSTER_IO_OWNERS = 4  # owners one load streams from at once, on an etcd cluster
 
@@ -87,7 +90,8 @@ class KVCache:
                  hot_pool_bytes: int = DEFAULT_HOT_POOL_BYTES, device: str = "cpu",
                  device_map: Mapping[str, str] | None = None, transport: str = "auto",
                  pool_size: int = 4, timeout_s: float = 30.0, direct_backend: str = "auto",
-                 save_queue_bytes: int = SAVE_QUEUE_BYTES_MAX, replicas: int | None = None) -> None:
+                 save_queue_bytes: int = SAVE_QUEUE_BYTES_MAX, replicas: int | None = None,
+                 output_buffers_bytes: int = OUTPUT_BUFFERS_BYTES_MAX) -> None:
         if not isinstance(namespace, Namespace):
             raise ValueError("namespace must be a kvtier.common.keys.Namespace")
         if transport not in TRANSPORTS:
@@ -110,6 +114,7 @@ class KVCache:
             raise ValueError("the mixed codec chooses per layer of a whole block: use layer_groups=1 with it")
         self._hot = HotPool(self.layout, hot_pool_bytes, device)
         self._decoder = BlockDecoder(self.layout, self.codec, device)
+        self._outputs = LoadOutputs(self.layout, device, output_buffers_bytes)  # reused once the engine drops them
         pinned = str(device).startswith("cuda")  # engine KV in HBM: gathers DMA into page-locked send buffers
         self._encoders = [BlockEncoder(self.layout, namespace.id, self.codec, self.layout.group_layers(g), pinned)
                           for g in range(self.layout.layer_groups)]
@@ -134,7 +139,7 @@ class KVCache:
                 members = FixedMembers(addrs)
             opener = functools.partial(self._open_daemon, token, pool_size, timeout_s, device_map, direct_backend)
             self._warm = WarmTier(namespace, self.codec.codec_id, OwnerPool(members, opener), replicas, self._io,
-                                  self._streams, self._stats["warm"])
+                                  self._streams, self._stats["warm"], cold_stats=self._stats["cold"])
             if not cluster:
                 self._warm.pool.open_all()  # a static list connects (and finds its devices) now
         except BaseException:
@@ -146,13 +151,14 @@ class KVCache:
 
         client = BlockClient(addr, token=token, pool_size=pool_size, timeout_s=timeout_s)
         try:
-            return Daemon(addr, client, self._open_reader(client, device_map, backend))
+            return Daemon(addr, client, self._open_reader(client, device_map, backend),
+                          self._open_nixl(addr, token, pool_size, timeout_s))
         except BaseException:
             client.close()
             raise
 
     def _open_reader(self, client, device_map, backend) -> DirectReader | None:
-        if self.transport == "tcp" or not device_map:
+        if self.transport in ("tcp", "nixl") or not device_map:
             return None
         geometry = client.geometry()
         try:
@@ -161,6 +167,14 @@ class KVCache:
             if self.transport == "direct":
                 raise
             return None  # auto: these devices are not visible here; TCP it is
+
+    def _open_nixl(self, addr: str, token, pool_size: int, timeout_s: float):
+        """The daemon's NIXL transport, set up in the background (TCP until it is ready): with ``auto``
+        where NIXL is importable here, with ``nixl`` required (:func:`~.nixl_setup.open_nixl_setup`)."""
+        if self.transport not in ("auto", "nixl"):
+            return None
+        from .nixl_setup import open_nixl_setup
+        return open_nixl_setup(addr, self.transport == "nixl", token, pool_size, timeout_s)
 
     # --- keys and lookup ---------------------------------------------------
     def keys_for(self, tokens) -> list[bytes]:
@@ -186,10 +200,13 @@ class KVCache:
     # --- load ----------------------------------------------------------------
     def load(self, tokens, max_tokens: int | None = None) -> LoadedPrefix:
         """The longest stored prefix of ``tokens`` (at most ``max_tokens``), as
-        per-layer K and V on the cache's device."""
+        per-layer K and V on the cache's device. Raw blocks bound for the host are
+        received straight into the output (one LOOKUP sizes it first)."""
         keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
+        if self.codec.name == "raw" and str(self.device) == "cpu":
+            return self._load_in_place(keys)
         with self._held(keys, prefix_only=True) as held:
-            out = empty_kv(self.layout, len(held.blocks), self.device)
+            out = self._outputs.kv(len(held.blocks))
             n = 0
             for block in held.blocks:
                 if isinstance(block, _Staged):
@@ -211,7 +228,7 @@ class KVCache:
             out: list = []
             for block in held.blocks:
                 if isinstance(block, _Staged):
-                    target = self._decoder.empty_block()
+                    target = self._outputs.block()
                     out.append(target if self._decoder.decode(block.data, target) else None)
                 else:
                     out.append(None if block is None else block.clone())
@@ -242,7 +259,25 @@ class KVCache:
         """Start loading the longest stored prefix of ``tokens`` (at most ``max_tokens``)
         and return at once with its tensors, which fill layer group by layer group
         (:class:`~.prefix_load.PrefixLoad`: ``wait_layer(i)`` before using layer i)."""
-        keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
+        load, out, warm_keys, hot = self._begin_load(self.keys_for(self._prefix_tokens(tokens, max_tokens)))
+        if warm_keys:
+            self._executor.submit(self._stream_groups, load, out, warm_keys, hot)
+        return load
+
+    def _load_in_place(self, keys: list[bytes]) -> LoadedPrefix:
+        """:meth:`load` as a :meth:`start_load` driven on this thread (a prefetch worker may be
+        running it: waiting on a worker of its own pool could deadlock)."""
+        load, out, warm_keys, hot = self._begin_load(keys)
+        if warm_keys:
+            self._stream_groups(load, out, warm_keys, hot)
+        tokens, layers = load.wait_prefix()
+        n = tokens // self.layout.block_tokens
+        return LoadedPrefix(num_tokens=tokens, layers=layers, blocks_hot=min(hot, n), blocks_warm=n - min(hot, n),
+                            transports=dict(load.transports))
+
+    def _begin_load(self, keys: list[bytes]) -> tuple[PrefixLoad, object, list[bytes], int]:
+        """A prefix load's first half: the hot blocks leased and copied into a fresh output,
+        one LOOKUP for the rest. (load, output, warm keys to fetch, hot blocks)."""
         with self._counters_lock:
             self._requested += len(keys)
         started = time.perf_counter()
@@ -252,7 +287,7 @@ class KVCache:
                                       latency_s=time.perf_counter() - started)
             warm_keys = keys[hot:]
             warm = self._warm.lookup(warm_keys)
-            out = empty_kv(self.layout, hot + warm, self.device)
+            out = self._outputs.kv(hot + warm)
             for i in range(hot):
                 copy_block_into(out, i, lease.block(i), self.layout)
         self._stats["warm"].record(misses=len(warm_keys) - warm)  # absent at the LOOKUP: never fetched
@@ -261,30 +296,14 @@ class KVCache:
         if not warm:
             for group in range(self.layout.layer_groups):
                 load.group_done(group)
-            return load
-        self._executor.submit(self._stream_groups, load, out, warm_keys[:warm], hot)
-        return load
+        return load, out, warm_keys[:warm], hot
 
     def _stream_groups(self, load: PrefixLoad, out, keys: list[bytes], first: int) -> None:
-        """Fetch and decode each layer group of the warm blocks in turn, the next group's
-        fetch in flight while one is decoded."""
-        try:
-            groups = self.layout.layer_groups
-            fetch = functools.partial(self._warm.fetch, keys, True, load.transports)
-            ahead = [self._group_fetches.submit(fetch, [g], count_blocks=(g == 0)) for g in range(min(2, groups))]
-            for group in range(groups):
-                objects = ahead[group].result()
-                if group + 2 < groups:
-                    ahead.append(self._group_fetches.submit(fetch, [group + 2], count_blocks=False))
-                for i, parts in enumerate(objects):
-                    if parts is None or not self._decoder.decode_into_tokens(parts, out, first + i, [group]):
-                        load.shorten((first + i) * self.layout.block_tokens)
-                        return
-                load.group_done(group)
-            self._keep_hot(keys, lambda slot, i: copy_tensor(slot, out[:, :, 0, :, self._block_tokens(first + i)]))
-        except Exception as exc:  # the consumer sees it at its next wait
-            log.exception("event=streaming_load_failed tokens=%d", load.num_tokens)
-            load.fail(exc)
+        """Fetch and decode each layer group of the warm blocks in turn (:mod:`.group_streamer`)."""
+        fetch = functools.partial(self._warm.fetch, keys, True, load.transports,
+                                  landing=self._decoder.landing(out, first))  # raw: straight into out
+        stream_groups(load, out, first, fetch, self._decoder, self._group_fetches, lambda: self._keep_hot(
+            keys, lambda slot, i: copy_tensor(slot, out[:, :, 0, :, self._block_tokens(first + i)])))
 
     def _block_tokens(self, index: int) -> slice:
         b = self.layout.block_tokens
@@ -458,7 +477,7 @@ class KVCache:
             if known == len(keys):
                 return 0
             for group in built:
-                group.seal()
+                group.seal(known)  # the blocks the daemons hold are neither checksummed nor sent
             return self._send(keys[known:], [group.blocks[known:] for group in built], durable)
         finally:
             _release(built)
@@ -492,6 +511,11 @@ class KVCache:
                                hot_capacity_blocks=pool.capacity_blocks, hot_evictions=pool.evictions,
                                blocks_requested=requested, blocks_stored=stored,
                                saves=self._saves.statistics())
+
+    def cluster_statistics(self):
+        """The members this cache routes over and their backoffs (an
+        :class:`~.owner_pool.ClusterClientStatistics`; ``as_dict()`` for JSON)."""
+        return self._warm.pool.statistics()
 
     def close(self) -> None:
         """Drain accepted write-behind saves, then close every connection."""

@@ -64,6 +64,16 @@ class PrefixLoad:
         for group in range(self.layout.layer_groups):
             self.wait_layer(self.layout.group_layers(group).start, timeout_s)
 
+    def wait_prefix(self, timeout_s: float | None = None) -> tuple[int, tuple]:
+        """Wait for every layer; the tokens that are good and the layers cut to them (the
+        load's own error, or TimeoutError, raises as in :meth:`wait`)."""
+        try:
+            self.wait(timeout_s)
+            return self.num_tokens, self.layers
+        except PrefixShortened as short:
+            valid = short.valid_tokens
+        return valid, tuple((k[:, :, :valid], v[:, :, :valid]) for k, v in self.layers)
+
     def ready(self, layer: int) -> bool:
         return self._ready[self.layout.group_of_layer(layer)].is_set()
 

@@ -4,7 +4,8 @@ Three tiers, as the design names them::
 
     hot  = the engine's device-memory pool (this process)
     warm = the local kvtierd's flash (TCP or a direct device read)
-    cold = the daemon's upstream (a parent kvtierd)
+    cold = the daemon's upstream (a parent kvtierd): blocks the daemon had to fetch
+           from it for this client, as the daemon reports per block (FLAG_WANT_ORIGIN)
 
 A :class:`TierRecorder` is written by the cache (under its own lock, so
 counters never race) and read with :meth:`TierRecorder.snapshot`, which

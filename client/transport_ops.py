@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Generator, Sequence
 
 from kvtier.wire import connection as p
+from kvtier.wire.frames import ORIGIN_UPSTREAM
 from kvtier.wire.writers import check_key
 from kvtier.common.blockformat import BlockFormatError, verify_block
 
@@ -25,33 +26,46 @@ def _chunks(seq: Sequence, size: int):
         yield seq[start:start + size]
 
 
-def op_lookup(keys: Sequence[bytes], ns_id, want_locations: bool, limits: p.Limits) -> Op:
+def op_lookup(keys: Sequence[bytes], ns_id, want_locations: bool, limits: p.Limits,
+              origins: list | None = None) -> Op:
     """``(leading, locations or None)``; one pipelined round trip (keys are
-    checked when the frames are encoded)."""
+    checked when the frames are encoded). ``origins`` (a list; the daemon lists
+    ``upstream`` in HELLO): filled with one bool per leading key, True where only
+    the daemon's upstream holds it."""
     keys = keys if isinstance(keys, list) else list(keys)
+    if origins is not None:
+        origins.clear()
     if not keys:
         return 0, ([] if want_locations else None)
-    replies = yield [p.Lookup(0, tuple(c), want_locations, ns_id) for c in _chunks(keys, limits.batch_count_max)]
+    replies = yield [p.Lookup(0, tuple(c), want_locations, ns_id, want_origin=origins is not None)
+                     for c in _chunks(keys, limits.batch_count_max)]
     leading, locations, complete = 0, [], True
     for chunk_reply, chunk in zip(replies, _chunks(keys, limits.batch_count_max)):
         if complete:
             leading += chunk_reply.leading
             complete = chunk_reply.leading == len(chunk)
+            if origins is not None:
+                origins.extend(origin == ORIGIN_UPSTREAM for origin in chunk_reply.origins)
         if want_locations:
             locations.extend(chunk_reply.locations)
     return leading, (locations if want_locations else None)
 
 
 def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = True, copy: bool = True,
-                reader_verifies: bool = False) -> Op:
+                reader_verifies: bool = False, origins: list | None = None) -> Op:
     """Verified blocks (bytes, or read-only memoryviews without ``copy``) or
     None per key, and how many came back corrupt; DEFERRED items are asked
     again. ``reader_verifies`` (the daemon offers it in HELLO): the daemon may
     leave payload CRCs to us -- so only when we ``verify``. A block that fails
     is asked for once more without it (the daemon then checks it and drops a
     copy corrupt on flash, so the key reads as a miss and a re-put can replace
-    it); a block that fails again is a miss."""
+    it); a block that fails again is a miss. ``origins`` (a list; the daemon lists ``upstream``
+    in HELLO): filled with one bool per key, True where the daemon fetched the block from its
+    upstream for this request."""
     keys = [check_key(k) for k in keys]
+    want_origin = origins is not None
+    if want_origin:
+        origins[:] = [False] * len(keys)
     results: list = [None] * len(keys)
     pending = list(range(len(keys)))
     retry: list[int] = []
@@ -60,9 +74,12 @@ def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = T
     corrupt = 0
     while pending:
         chunks = list(_chunks(pending, limits.batch_count_max))
-        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id, reader_verifies) for c in chunks]
+        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id, reader_verifies, want_origin=want_origin) for c in chunks]
         pending = []
         for chunk, reply in zip(chunks, replies):
+            if want_origin:
+                for i, origin in zip(chunk, reply.origins):
+                    origins[i] = origin == ORIGIN_UPSTREAM
             for i, block in zip(chunk, reply.blocks):
                 if block is p.DEFERRED:
                     pending.append(i)
@@ -75,6 +92,40 @@ def op_get_many(keys: Sequence[bytes], ns_id, limits: p.Limits, verify: bool = T
                         results[i] = block if type(block) is bytes else bytes(block)
                     else:
                         results[i] = block if type(block) is bytes else block.toreadonly()
+        if not pending and retry and not retried:
+            pending, retry, reader_verifies, retried = retry, [], False, True
+    return results, corrupt
+
+
+def op_get_into(keys: Sequence[bytes], ns_id, limits: p.Limits, plan, reader_verifies: bool = False) -> Op:
+    """:func:`op_get_many` whose replies land where ``plan`` (a
+    :class:`~.scatter_plan.ScatterPlan`) says: per key a
+    :class:`~.scatter_plan.LandedBlock` (verified where it landed), a verified block
+    that landed apart (another size than planned), or None; and the corrupt count.
+    A corrupt block is asked for once more without ``reader_verifies``."""
+    from .scatter_plan import verify_landed
+
+    keys = [check_key(k) for k in keys]
+    results: list = [None] * len(keys)
+    pending, retry = list(range(len(keys))), []
+    retried, corrupt = False, 0
+    while pending:
+        chunks = list(_chunks(pending, limits.batch_count_max))
+        plan.expect(chunks)
+        replies = yield [p.Get(0, tuple(keys[i] for i in c), ns_id, reader_verifies) for c in chunks]
+        pending = []
+        for chunk, reply in zip(chunks, replies):
+            for i, block in zip(chunk, reply.blocks):
+                if block is p.DEFERRED:
+                    pending.append(i)
+                elif block is not None:
+                    got = verify_landed(block if isinstance(block, tuple) else (block,), keys[i],
+                                        plan.head_nbytes)
+                    if got is None:
+                        corrupt += 1
+                        retry.append(i)
+                    else:
+                        results[i] = got
         if not pending and retry and not retried:
             pending, retry, reader_verifies, retried = retry, [], False, True
     return results, corrupt

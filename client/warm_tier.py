@@ -26,7 +26,6 @@ order, or ``None`` where any object is missing or fails verification.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,8 +41,10 @@ from kvtier.common.keys import Namespace, layer_group_key
 from kvtier.wire import events as p
 
 from .direct_reader import DirectLocation, DirectReader
+from .nixl_transport import NixlFetchFailed
 from .owner_pool import OWNER_ERRORS, OwnerBatch, OwnerPool, WriteQuorumError
 from .routing import positions_by_owner
+from .scatter_plan import Landing, LandedBlock
 from .save_queue import SaveQueue
 from .tier_stats import TierRecorder
 
@@ -52,22 +53,26 @@ log = logging.getLogger(__name__)
 FETCH_STREAM_BLOCKS_MIN = 4  # a batch smaller than this is not worth a stream of its own
 REPAIR_QUEUE_BYTES_MAX = 64 * 1024 * 1024  # read-repairs in flight; more are dropped (a later hit retries)
 PUT_OWNERS_PARALLEL_MAX = 8  # owners one PUT batch writes to at once
+UPSTREAM_TRANSPORT = "upstream"  # the transport name of blocks a daemon fetched from its upstream (cold)
 
 
 @dataclass(frozen=True)
 class Daemon:
-    """One daemon: its block client and, where its devices are visible, a direct reader."""
+    """One daemon: its block client and, where its devices are visible, a direct reader;
+    where this process runs NIXL, the :class:`~.nixl_setup.NixlSetup` of its transport."""
 
     address: str
     client: object
     reader: DirectReader | None
+    nixl: object | None = None
 
 
 class WarmTier:
     """LOOKUP, GET and PUT of whole blocks (all their layer groups) across the owners."""
 
     def __init__(self, namespace: Namespace, codec_id: int, pool: OwnerPool, replicas: int,
-                 io: ThreadPoolExecutor, streams: int, stats: TierRecorder) -> None:
+                 io: ThreadPoolExecutor, streams: int, stats: TierRecorder,
+                 cold_stats: TierRecorder | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, got {replicas}")
         self.namespace = namespace
@@ -76,6 +81,7 @@ class WarmTier:
         self.pool = pool
         self.replicas = replicas
         self.stats = stats
+        self.cold_stats = cold_stats  # blocks the daemons fetched from their upstream
         self._io = io
         self._streams = streams
         self._puts = ThreadPoolExecutor(max_workers=PUT_OWNERS_PARALLEL_MAX, thread_name_prefix="kvtier-put")
@@ -136,9 +142,12 @@ class WarmTier:
             for col in range(place.shape[1]):
                 ahead: list[int] = []
                 for j, idx in self._owned(place, todo, col).items():
+                    idx = self._unless_backed_off(batch, j, idx, heard, ahead)
+                    if not idx:
+                        continue
                     try:
-                        present = self._client_of(batch, j).client.lookup(
-                            self.objects_of([keys[i] for i in idx]), ns_id=self.namespace.id) // groups
+                        present = batch.call(j, lambda d, idx=idx: d.client.lookup(
+                            self.objects_of([keys[i] for i in idx]), ns_id=self.namespace.id)) // groups
                     except OWNER_ERRORS as exc:
                         error = self._owner_failed(batch, j, exc, "lookup")
                         ahead.extend(idx)
@@ -156,24 +165,35 @@ class WarmTier:
         return todo[0] if todo else len(keys)
 
     @staticmethod
+    def _unless_backed_off(batch: OwnerBatch, j: int, idx: list[int], heard: list[bool], ahead: list[int]) -> list[int]:
+        """``idx`` less the keys an owner already answered for, when owner ``j`` is in backoff
+        (those stay missing, in ``ahead``: a node in backoff is asked only as a last resort)."""
+        if not batch.skipped(j):
+            return idx
+        ahead.extend(i for i in idx if heard[i])
+        return [i for i in idx if not heard[i]]
+
+    @staticmethod
     def _owner_failed(batch: OwnerBatch, j: int, exc: BaseException, what: str) -> BaseException:
         log.warning("event=owner_failed op=%s node=%s error=%s", what, batch.node_of(j), exc)
         return exc
 
     # --- fetch -------------------------------------------------------------------
     def fetch(self, keys: list[bytes], prefix_only: bool, transports: dict[str, int],
-              groups: Sequence[int] | None = None, count_blocks: bool = True) -> list:
+              groups: Sequence[int] | None = None, count_blocks: bool = True, landing: Landing | None = None) -> list:
         """Each block of ``keys`` as the tuple of its ``groups``' verified objects, None
         per miss (and, with ``prefix_only``, for every block after the first miss);
         ``transports`` counts blocks delivered per transport. ``count_blocks=False``
-        records the bytes only (a later layer group of blocks counted already)."""
+        records the bytes only (a later layer group of blocks counted already). ``landing``:
+        blocks fetched over TCP are received straight into its views where they have its size
+        (:class:`~.scatter_plan.LandedBlock` objects, verified where they landed)."""
         groups = list(range(self.layout.layer_groups) if groups is None else groups)
         if not keys:
             return []
         started = time.perf_counter()
         results: list = [None] * len(keys)
         via: list[str | None] = [None] * len(keys)
-        fallbacks = self._fetch_owners(keys, groups, prefix_only, results, via)
+        fallbacks = self._fetch_owners(keys, groups, prefix_only, results, via, landing)
         if prefix_only:
             cut = next((i for i, blk in enumerate(results) if blk is None), len(results))
             results[cut:] = [None] * (len(results) - cut)
@@ -187,14 +207,30 @@ class WarmTier:
             if name is not None:
                 counted[name] = counted.get(name, 0) + 1
                 transports[name] = transports.get(name, 0) + 1
-        self.stats.record(misses=len(keys) - sum(counted.values()), bytes_read=nbytes,
-                          latency_s=time.perf_counter() - started, fallbacks=fallbacks)
-        for name, count in counted.items():
-            self.stats.record(hits=count, transport=name)
+        self._record_tiers(keys, results, via, counted, time.perf_counter() - started, fallbacks)
         return results
 
+    def _record_tiers(self, keys: list[bytes], results: list, via: list, counted: dict[str, int], latency_s: float,
+                      fallbacks: int) -> None:
+        """Warm: blocks the daemons held (a block their upstream had to fetch is a warm miss);
+        cold: blocks fetched from a daemon's upstream for this request, and the misses where a
+        daemon has one. The fetch's latency goes to cold when any block came from upstream."""
+        cold = counted.pop(UPSTREAM_TRANSPORT, 0)
+        cold_bytes = sum(len(part) for r, name in zip(results, via) if name == UPSTREAM_TRANSPORT for part in r)
+        warm_bytes = sum(len(part) for r, name in zip(results, via) if r is not None and name != UPSTREAM_TRANSPORT
+                         for part in r)
+        warm = sum(counted.values())
+        self.stats.record(misses=len(keys) - warm, bytes_read=warm_bytes, fallbacks=fallbacks,
+                          latency_s=None if cold else latency_s)
+        for name, count in counted.items():
+            self.stats.record(hits=count, transport=name)
+        if self.cold_stats is not None and any(d.client.has_upstream for d in self.daemons):
+            self.cold_stats.record(hits=cold, misses=len(keys) - warm - cold, bytes_read=cold_bytes,
+                                   latency_s=latency_s if cold else None,
+                                   transport=UPSTREAM_TRANSPORT if cold else None)
+
     def _fetch_owners(self, keys: list[bytes], groups: list[int], prefix_only: bool, results: list,
-                      via: list) -> int:
+                      via: list, landing: Landing | None = None) -> int:
         """Fill ``results`` / ``via`` from the first owner of each key that has it (the next
         owner where one fails or lacks it; repairs queued); returns the direct-read fallbacks."""
         fallbacks = failovers = 0
@@ -206,9 +242,15 @@ class WarmTier:
             for col in range(place.shape[1]):
                 ahead: list[int] = []
                 for j, idx in self._owned(place, todo, col).items():
+                    idx = self._unless_backed_off(batch, j, idx, heard, ahead)
+                    if not idx:
+                        continue
                     objects = self.objects_of([keys[i] for i in idx], groups)
+                    lands = None if landing is None else Landing(landing.head_nbytes, lambda n, _g, idx=idx: landing.views(
+                        idx[n // width], groups[n % width]))  # object n of this owner's batch
                     try:
-                        got, names, fell = self._fetch_from(self._client_of(batch, j), objects, prefix_only)
+                        got, names, fell = batch.call(j, lambda d, objects=objects, lands=lands: self._fetch_from(
+                            d, objects, prefix_only, lands))
                     except OWNER_ERRORS as exc:
                         error = self._owner_failed(batch, j, exc, "get")
                         ahead.extend(idx)
@@ -219,7 +261,9 @@ class WarmTier:
                         heard[i] = True
                         parts = got[n * width:(n + 1) * width]
                         if all(part is not None for part in parts):
-                            results[i], via[i] = tuple(parts), names[n * width]
+                            names_of = names[n * width:(n + 1) * width]  # cold if any group came from upstream
+                            results[i] = tuple(parts)
+                            via[i] = UPSTREAM_TRANSPORT if UPSTREAM_TRANSPORT in names_of else names_of[0]
                             for owner in missed.get(i, ()):
                                 repairs.setdefault(owner, []).append(i)
                         else:
@@ -241,6 +285,10 @@ class WarmTier:
         them, in the background; a full repair queue drops the repair (a later hit retries)."""
         for j, idx in repairs.items():
             daemon = batch.daemons[j]
+            # a block landed in the caller's tensors is not a block in memory to write back (a later hit repairs it)
+            idx = [i for i in idx if not any(isinstance(part, LandedBlock) for part in results[i])]
+            if not idx:
+                continue
             items = [(key, memoryview(bytes(part))) for i in idx
                      for key, part in zip(self.objects_of([keys[i]], groups), results[i])]
             nbytes = sum(view.nbytes for _, view in items)
@@ -251,17 +299,19 @@ class WarmTier:
                 return blocks
             self._repairs.submit(nbytes, len(idx), put)
 
-    def _fetch_from(self, daemon: Daemon, keys: list[bytes], prefix_only: bool):
+    def _fetch_from(self, daemon: Daemon, keys: list[bytes], prefix_only: bool, landing: Landing | None = None):
         """(objects, transport name per object, fallbacks) from one daemon."""
         blocks: list = [None] * len(keys)
         via: list[str | None] = [None] * len(keys)
         tcp_idx = list(range(len(keys)))
         fallbacks = 0
-        if daemon.reader is not None:
+        nixl = None if daemon.nixl is None else daemon.nixl.ready()  # None: not set up (yet), TCP it is
+        if daemon.reader is not None or nixl is not None:
             present, found = daemon.client.lookup_locations(keys, ns_id=self.namespace.id)
             locations = list(found) + [None] * (len(keys) - len(found))
             span = present if prefix_only else len(keys)
-            direct_idx = [i for i in range(span) if locations[i] is not None and locations[i].sealed]
+            direct_idx = [i for i in range(span) if locations[i] is not None and locations[i].sealed
+                          and daemon.reader is not None]
             if direct_idx:
                 try:
                     got = daemon.reader.read_many(
@@ -278,37 +328,85 @@ class WarmTier:
                         blocks[i], via[i] = block, "direct"
                     else:
                         fallbacks += 1
-            # unsealed blocks and direct-read failures go to TCP
-            tcp_idx = [i for i in range(span) if blocks[i] is None and locations[i] is not None]
+            # unsealed blocks and direct-read failures go to TCP; with an upstream, absent ones too
+            # (the daemon fetches them: a LOOKUP's leading count covers blocks it holds nowhere)
+            fetches = daemon.client.has_upstream
+            tcp_idx = [i for i in range(span) if blocks[i] is None and (locations[i] is not None or fetches)]
+        if tcp_idx and nixl is not None:
+            fell, tcp_idx = self._fetch_nixl(daemon, nixl, keys, tcp_idx, locations, blocks, via)
+            fallbacks += fell
         if tcp_idx:
-            got = self._get_many(daemon, [keys[i] for i in tcp_idx])
-            for i, block in zip(tcp_idx, got):
+            got, upstream = self._get_many(daemon, [keys[i] for i in tcp_idx], None if landing is None else Landing(
+                landing.head_nbytes, lambda n, _g: landing.views(tcp_idx[n], 0)))
+            for i, block, cold in zip(tcp_idx, got, upstream):
                 if block is not None and self.header_ok(block, keys[i]):
-                    blocks[i], via[i] = block, "tcp"
+                    blocks[i], via[i] = block, UPSTREAM_TRANSPORT if cold else "tcp"
+            if nixl is None and daemon.nixl is not None and daemon.nixl.failed:
+                fallbacks += sum(via[i] == "tcp" for i in tcp_idx)
         return blocks, via, fallbacks
 
-    def _get_many(self, daemon: Daemon, keys: list[bytes]) -> list:
+    def _fetch_nixl(self, daemon: Daemon, nixl, keys: list[bytes], idx: list[int], locations: list, blocks: list,
+                    via: list) -> tuple[int, list[int]]:
+        """NIXL GET of the located blocks among ``idx`` into ``blocks`` / ``via``; returns the
+        fallbacks (located blocks NIXL did not deliver verified) and the indexes left for TCP."""
+        located = [i for i in idx if locations[i] is not None]
+        if not located:
+            return 0, idx
+        streams = max(1, min(self._streams, len(located) // FETCH_STREAM_BLOCKS_MIN))
+        bounds = [len(located) * s // streams for s in range(streams + 1)]
+
+        def get(part: list[int]) -> list:
+            try:
+                return nixl.get_many([keys[i] for i in part], [locations[i].length for i in part],
+                                            [locations[i].seq for i in part], ns_id=self.namespace.id)
+            except (NixlFetchFailed, p.ClientError, OSError) as exc:
+                log.warning("event=nixl_get_failed daemon=%s blocks=%d error=%s", daemon.address, len(part), exc)
+                return [None] * len(part)
+        parts = [located[a:b] for a, b in zip(bounds, bounds[1:])]
+        got = [block for part in (list(self._io.map(get, parts)) if streams > 1 else [get(parts[0])])
+               for block in part]
+        fell = 0
+        for i, block in zip(located, got):
+            if block is not None and self.header_ok(block, keys[i]):
+                blocks[i], via[i] = block, "nixl"
+            else:
+                fell += 1
+        return fell, [i for i in idx if blocks[i] is None]
+
+    def _get_many(self, daemon: Daemon, keys: list[bytes], landing: Landing | None = None) -> tuple[list, list[bool]]:
         """GET over TCP, split into up to ``streams`` contiguous batches that run in
         parallel on the client's connection pool (the daemon reads them from its
-        devices concurrently)."""
+        devices concurrently); with, per key, whether the daemon fetched it from its upstream."""
         # copy=False: verified read-only views into the reply buffers, which live as
         # long as a view does; decoding reads them once instead of copying them first
-        get = functools.partial(daemon.client.get_many, ns_id=self.namespace.id, copy=False)
+        # with a landing (and no upstream, whose origins only get_many reports), raw blocks are
+        # received straight into its views
+        scatter = landing is not None and not daemon.client.has_upstream
+
+        def get(part: list[bytes], first: int = 0) -> tuple[list, list[bool]]:
+            if scatter:
+                return daemon.client.get_many_into(part, [landing.views(first + n, 0) for n in range(len(part))],
+                                                   landing.head_nbytes, ns_id=self.namespace.id), [False] * len(part)
+            origins: list[bool] = []
+            return daemon.client.get_many(part, ns_id=self.namespace.id, copy=False, origins=origins), origins
         streams = min(self._streams, len(keys) // FETCH_STREAM_BLOCKS_MIN)
         if streams <= 1:
             return get(keys)
         bounds = [len(keys) * i // streams for i in range(streams + 1)]
-        futures = [self._io.submit(get, keys[a:b]) for a, b in zip(bounds, bounds[1:])]
+        futures = [self._io.submit(get, keys[a:b], a) for a, b in zip(bounds, bounds[1:])]
         out: list = []
+        upstream: list[bool] = []
         for fut in futures:
-            out.extend(fut.result())
-        return out
+            blocks, origins = fut.result()
+            out.extend(blocks)
+            upstream.extend(origins)
+        return out, upstream
 
     def header_ok(self, block, key: bytes) -> bool:
         """The object is this namespace's, this key's, and in this codec (the CRCs were
         checked by whoever read it)."""
         try:
-            head = decode_header(block)
+            head = decode_header(block.head if isinstance(block, LandedBlock) else block)
         except BlockFormatError:
             return False
         return head.key == key and head.ns_id == self.namespace.id and head.codec_id == self.codec_id
@@ -323,15 +421,21 @@ class WarmTier:
             return 0
         with self._placement(keys) as (batch, place):
             group_keys = [self.objects_of(keys, [g]) for g in range(len(objects))]
+            # a buffered PUT skips owners in backoff where a key has another owner to take it
+            skip = np.zeros(place.shape, dtype=bool)
+            if batch.backed_off is not None and not durable:
+                skip = batch.backed_off[place]
+                skip &= ~skip.all(axis=1, keepdims=True)
             per_owner: dict[int, list[int]] = {}
             for col in range(place.shape[1]):
-                for j, idx in positions_by_owner(place[:, col]).items():
-                    per_owner.setdefault(j, []).extend(idx)
+                sent = np.flatnonzero(~skip[:, col])
+                for j, pos in positions_by_owner(place[sent, col]).items():
+                    per_owner.setdefault(j, []).extend(sent[pos].tolist())
 
             def put(j: int) -> int:
                 idx = sorted(per_owner[j])
                 items = [(group_keys[g][i], objects[g][i]) for i in idx for g in range(len(objects))]
-                self._client_of(batch, j).client.put_many(items, durable=durable)
+                batch.call(j, lambda d: d.client.put_many(items, durable=durable))
                 return sum(view.nbytes for _, view in items)
             owners = list(per_owner)
             futures = {j: self._puts.submit(put, j) for j in owners[1:]}
@@ -350,7 +454,7 @@ class WarmTier:
             failed = {j: exc for j, exc in outcome.items() if isinstance(exc, BaseException)}
             down = np.zeros(len(batch.view), dtype=bool)
             down[list(failed)] = True
-            acks = (~down[place]).sum(axis=1)
+            acks = (~down[place] & ~skip).sum(axis=1)
             need = place.shape[1] if durable else 1
             if (acks < need).any():
                 names = ", ".join(f"{batch.node_of(j)}: {exc}" for j, exc in failed.items())

@@ -7,8 +7,10 @@ The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
     device_size = "1g"          # k/m/g suffixes, or an integer byte count
     stripe_size = "1m"
     region_size = "64m"
-    eviction = "fifo"           # or "lru"
+    eviction = "lru"            # or "fifo"
     reinsert_hits = 0           # reinsert blocks read this often on eviction (0: pinned only)
+    pinned_fraction_max = 0.5   # pins (hard and soft) may hold this share of the capacity; PINs past it are refused
+    clean_regions_target = 2    # clean regions the background reclaim keeps ready (at most 1/8 of the regions)
     listen = "127.0.0.1:7410"
     admin = "127.0.0.1:7411"    # or "none"
     token_file = "/etc/kvtier/token"
@@ -21,6 +23,18 @@ The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
     advertise = "10.0.0.5:7410" # the data address clients dial (default: listen's)
     node_id = "node-a"          # default: made once and kept in data_dir/node-id
     lease_ttl = 5               # seconds a dead node stays a member (2..300)
+    upstream = "region-a:7410"  # pull misses from this daemon (or etcd://HOST:PORT/PREFIX: a region's members)
+    upstream_token_file = "/etc/kvtier/upstream-token"  # the token the upstream expects
+    upstream_timeout_ms = 1000  # an upstream slower than this is a miss
+    kv_events_endpoint = "tcp://127.0.0.1:7412"         # publish KV events (vLLM's format) on ZMQ PUB
+    kv_events_replay_endpoint = "tcp://127.0.0.1:7413"  # and replay recent ones (ZMQ ROUTER)
+    nixl = "auto"               # the NIXL transport (docs/nixl.md): auto (where installed), on, off
+    nixl_tls = "self,sm,tcp"    # UCX transports for it (default: detected; shared memory, RDMA, TCP)
+    preplace_edges = "edge-a:7410,edge-b:7410"  # push hot prefixes to these edges (or etcd://HOST:PORT/PREFIX)
+    preplace_bytes = "1g"       # per edge: the most the pusher keeps soft-pinned there
+    preplace_ttl_s = 600        # a pushed prefix stays soft-pinned this long after its last push
+    preplace_interval_s = 60    # how often the pusher ranks and pushes
+    preplace_token_file = "/etc/kvtier/edge-token"  # the token the edges expect
 
 An unknown or ill-typed key is an error that names it. Pure: parses, does no I/O
 beyond reading the config file it is pointed at.
@@ -34,11 +48,15 @@ import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 
 from kvtier.common.addresses import AddressError, parse_address
-from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, check_node_id, parse_cluster_url
+from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, check_node_id, is_cluster_url, parse_cluster_url
 from kvtier.daemon.cluster.lease_keeper import LEASE_TTL_S_DEFAULT, LEASE_TTL_S_MAX, LEASE_TTL_S_MIN
-from kvtier.daemon.engine.config import REGION_SIZE_DEFAULT_BYTES, STRIPE_SIZE_DEFAULT_BYTES
+from kvtier.daemon.engine.config import (CLEAN_REGIONS_TARGET_MAX, REGION_SIZE_DEFAULT_BYTES,
+                                        STRIPE_SIZE_DEFAULT_BYTES)
 from kvtier.daemon.engine.eviction import EVICTION_POLICIES
 from kvtier.daemon.engine.index import HITS_MAX
+from kvtier.daemon.nixl import NIXL_MODES
+from kvtier.daemon.preplace.settings import (PREPLACE_BYTES_DEFAULT, PREPLACE_INTERVAL_S_DEFAULT,
+                                             PREPLACE_TTL_S_DEFAULT, PreplaceConfigError, PreplaceSettings)
 
 EMBEDDED_DEVICE_COUNT = 4  # the embedded default: 4 file-backed devices, RAID0
 EMBEDDED_DEVICE_SIZE_BYTES = 1 << 30  # 1 GiB each: room to try kvtier without a disk to spare
@@ -46,6 +64,8 @@ MAX_CONNECTIONS_LIMIT = 65536  # one thread per connection: beyond this, use mor
 REINSERT_HITS_MAX = HITS_MAX  # the engine counts reads in one byte per index slot
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTIONS = EVICTION_POLICIES
+UPSTREAM_TIMEOUT_MS_DEFAULT = 1000  # a WAN round trip and a few MiB at 1 Gbit/s, with room to spare
+UPSTREAM_TIMEOUT_MS_MAX = 60_000  # beyond this a request waits on a dead upstream longer than clients do
 _SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -80,6 +100,18 @@ def parse_listen_address(text: str, name: str) -> tuple[str, int]:
         raise ConfigError(str(exc)) from None
 
 
+def check_zmq_endpoint(text: str, name: str) -> None:
+    """``tcp://HOST:PORT`` (port 0: the kernel picks one) or ``ipc://PATH``; ConfigError names the setting."""
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
+        return
+    if not text.startswith("tcp://"):
+        raise ConfigError(f"{name}: {text!r} is not a ZMQ endpoint tcp://HOST:PORT or ipc://PATH")
+    address = text[len("tcp://"):]
+    if address.startswith("*:"):
+        address = "0.0.0.0" + address[1:]
+    parse_listen_address(address, name)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -96,8 +128,10 @@ class DaemonConfig:
     device_size_bytes: int = EMBEDDED_DEVICE_SIZE_BYTES
     stripe_size_bytes: int = STRIPE_SIZE_DEFAULT_BYTES
     region_size_bytes: int = REGION_SIZE_DEFAULT_BYTES
-    eviction: str = "fifo"
+    eviction: str = "lru"  # measured better than fifo on the prefix trace (perf/sim_eviction.py)
     reinsert_hits: int = 0
+    pinned_fraction_max: float = 0.5
+    clean_regions_target: int = 2
     listen: str = "127.0.0.1:7410"
     admin: str = "127.0.0.1:7411"
     token_file: str | None = None
@@ -110,6 +144,18 @@ class DaemonConfig:
     advertise: str | None = None
     node_id: str | None = None
     lease_ttl_s: int = LEASE_TTL_S_DEFAULT
+    upstream: str | None = None  # HOST:PORT or etcd://HOST:PORT[,HOST:PORT...]/PREFIX
+    upstream_token_file: str | None = None
+    upstream_timeout_ms: int = UPSTREAM_TIMEOUT_MS_DEFAULT
+    kv_events_endpoint: str | None = None  # tcp://HOST:PORT the KV-events PUB socket binds (None: off)
+    kv_events_replay_endpoint: str | None = None  # tcp://HOST:PORT of its replay ROUTER socket
+    nixl: str = "auto"  # the NIXL transport: auto (offered where nixl is importable), on (required), off
+    nixl_tls: str | None = None  # UCX_TLS for the NIXL agent (None: detected, kvtier.common.ucx_env)
+    preplace_edges: str | None = None  # HOST:PORT,... or etcd://HOST:PORT/PREFIX of the edges (None: off)
+    preplace_bytes: int = PREPLACE_BYTES_DEFAULT
+    preplace_ttl_s: float = PREPLACE_TTL_S_DEFAULT
+    preplace_interval_s: float = PREPLACE_INTERVAL_S_DEFAULT
+    preplace_token_file: str | None = None
     format: bool = False
     force: bool = False
     config_file: str | None = None
@@ -121,6 +167,11 @@ class DaemonConfig:
             raise ConfigError(f"eviction: {self.eviction!r} is not one of {EVICTIONS}")
         if not 0 <= self.reinsert_hits <= REINSERT_HITS_MAX:
             raise ConfigError(f"reinsert_hits: {self.reinsert_hits} is outside 0..{REINSERT_HITS_MAX}")
+        if not 1 <= self.clean_regions_target <= CLEAN_REGIONS_TARGET_MAX:
+            raise ConfigError(f"clean_regions_target: {self.clean_regions_target} is outside 1..{CLEAN_REGIONS_TARGET_MAX}")
+        if not 0 <= self.pinned_fraction_max <= 1:
+            raise ConfigError(f"pinned_fraction_max: {self.pinned_fraction_max} is outside 0..1 (a fraction of the "
+                              f"capacity)")
         if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
             raise ConfigError(f"max_connections: {self.max_connections} is outside 1..{MAX_CONNECTIONS_LIMIT}")
         if not 1 <= self.max_connections_per_peer <= MAX_CONNECTIONS_LIMIT:
@@ -138,6 +189,56 @@ class DaemonConfig:
         if self.admin != "none" and self.token_file is None and not is_loopback(self.admin_address[0]):
             raise ConfigError(f"admin: refusing to bind non-loopback address {self.admin!r} without token_file")
         self._check_cluster(host)
+        self._check_upstream()
+        self._check_kv_events()
+        if self.nixl not in NIXL_MODES:
+            raise ConfigError(f"nixl: {self.nixl!r} is not one of {NIXL_MODES}")
+        if self.nixl_tls is not None and not self.nixl_tls.strip(" ,"):
+            raise ConfigError("nixl_tls: names no UCX transport (e.g. 'self,sm,tcp')")
+        self._check_preplace()
+
+    def _check_preplace(self) -> None:
+        if self.preplace_edges is None:
+            if self.preplace_token_file is not None:
+                raise ConfigError("preplace_token_file: only makes sense with preplace_edges")
+            return
+        self.preplace_settings(token=None)  # checks every preplace_* setting
+
+    def preplace_settings(self, token: str | None):
+        """The :class:`kvtier.daemon.preplace.settings.PreplaceSettings` these settings describe
+        (None without preplace_edges); ``token`` is the one read from preplace_token_file."""
+        if self.preplace_edges is None:
+            return None
+        try:
+            return PreplaceSettings(self.preplace_edges, self.preplace_bytes, self.preplace_ttl_s,
+                                    self.preplace_interval_s, token)
+        except PreplaceConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None:
+                check_zmq_endpoint(value, name)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("kv_events_replay_endpoint: only makes sense with kv_events_endpoint")
+        if self.kv_events_endpoint is not None and self.kv_events_endpoint == self.kv_events_replay_endpoint:
+            raise ConfigError(f"kv_events_replay_endpoint: {self.kv_events_replay_endpoint!r} is the PUB "
+                              "endpoint too; give it a port of its own")
+
+    def _check_upstream(self) -> None:
+        if self.upstream is None:
+            if self.upstream_token_file is not None:
+                raise ConfigError("upstream_token_file: only makes sense with upstream (HOST:PORT or etcd://...)")
+        elif is_cluster_url(self.upstream):
+            try:
+                parse_cluster_url(self.upstream, what="upstream")
+            except ClusterUrlError as exc:
+                raise ConfigError(str(exc)) from None
+        else:
+            parse_listen_address(self.upstream, "upstream")
+        if isinstance(self.upstream_timeout_ms, bool) or not 1 <= self.upstream_timeout_ms <= UPSTREAM_TIMEOUT_MS_MAX:
+            raise ConfigError(f"upstream_timeout_ms: {self.upstream_timeout_ms} is outside 1..{UPSTREAM_TIMEOUT_MS_MAX}")
 
     def _check_cluster(self, listen_host: str) -> None:
         if self.cluster is None:
@@ -193,6 +294,8 @@ class DaemonConfig:
         doc = asdict(self)
         doc["devices"] = list(self.device_paths)
         doc["token_file"] = None if self.token_file is None else "<set>"
+        doc["upstream_token_file"] = None if self.upstream_token_file is None else "<set>"
+        doc["preplace_token_file"] = None if self.preplace_token_file is None else "<set>"
         return doc
 
     def engine_config(self):
@@ -200,7 +303,9 @@ class DaemonConfig:
         from kvtier.daemon.engine import EngineConfig
         return EngineConfig(device_paths=self.device_paths, device_size_bytes=self.device_size_bytes,
                             stripe_size_bytes=self.stripe_size_bytes, region_size_bytes=self.region_size_bytes,
-                            eviction=self.eviction, reinsertion_hits_min=self.reinsert_hits)
+                            eviction=self.eviction, reinsertion_hits_min=self.reinsert_hits,
+                            pinned_fraction_max=self.pinned_fraction_max,
+                            clean_regions_target=self.clean_regions_target)
 
 
 # TOML key -> (DaemonConfig field, converter)
@@ -240,6 +345,22 @@ def _size(name):
     return lambda v: parse_size(v, name)
 
 
+def _fraction(name):
+    def convert(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{name}: expected a fraction (a number in 0..1), got {type(v).__name__} {v!r}")
+        return float(v)
+    return convert
+
+
+def _number(name):
+    def convert(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{name}: expected seconds as a number, got {type(v).__name__} {v!r}")
+        return float(v)
+    return convert
+
+
 _TOML_KEYS = {
     "data_dir": ("data_dir", _str("data_dir")),
     "device": ("devices", _devices),
@@ -248,6 +369,8 @@ _TOML_KEYS = {
     "region_size": ("region_size_bytes", _size("region_size")),
     "eviction": ("eviction", _str("eviction")),
     "reinsert_hits": ("reinsert_hits", _int("reinsert_hits")),
+    "pinned_fraction_max": ("pinned_fraction_max", _fraction("pinned_fraction_max")),
+    "clean_regions_target": ("clean_regions_target", _int("clean_regions_target")),
     "listen": ("listen", _str("listen")),
     "admin": ("admin", _str("admin")),
     "token_file": ("token_file", _str("token_file")),
@@ -260,6 +383,18 @@ _TOML_KEYS = {
     "advertise": ("advertise", _str("advertise")),
     "node_id": ("node_id", _str("node_id")),
     "lease_ttl": ("lease_ttl_s", _int("lease_ttl")),
+    "upstream": ("upstream", _str("upstream")),
+    "upstream_token_file": ("upstream_token_file", _str("upstream_token_file")),
+    "upstream_timeout_ms": ("upstream_timeout_ms", _int("upstream_timeout_ms")),
+    "kv_events_endpoint": ("kv_events_endpoint", _str("kv_events_endpoint")),
+    "kv_events_replay_endpoint": ("kv_events_replay_endpoint", _str("kv_events_replay_endpoint")),
+    "nixl": ("nixl", _str("nixl")),
+    "nixl_tls": ("nixl_tls", _str("nixl_tls")),
+    "preplace_edges": ("preplace_edges", _str("preplace_edges")),
+    "preplace_bytes": ("preplace_bytes", _size("preplace_bytes")),
+    "preplace_ttl_s": ("preplace_ttl_s", _number("preplace_ttl_s")),
+    "preplace_interval_s": ("preplace_interval_s", _number("preplace_interval_s")),
+    "preplace_token_file": ("preplace_token_file", _str("preplace_token_file")),
 }
 assert {v[0] for v in _TOML_KEYS.values()} <= {f.name for f in fields(DaemonConfig)}
 
@@ -293,9 +428,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-size", help="size of device files created if missing (k/m/g)")
     ap.add_argument("--stripe-size", help="RAID0 stripe unit (default 1m)")
     ap.add_argument("--region-size", help="region size (default 64m)")
-    ap.add_argument("--eviction", choices=EVICTIONS)
+    ap.add_argument("--eviction", choices=EVICTIONS, help="region eviction order when full (default lru)")
     ap.add_argument("--reinsert-hits", type=int,
                     help="on eviction, keep blocks read at least this often since written (default 0: pinned only)")
+    ap.add_argument("--pinned-fraction-max", type=float,
+                    help="share of the capacity pinned blocks (hard and soft pins) may hold; a PIN past it is "
+                         "refused (default 0.5)")
+    ap.add_argument("--clean-regions-target", type=int,
+                    help="clean regions the background reclaim keeps ready; a PUT waits only when they are all "
+                         "taken (default 2, at most an eighth of the regions)")
     ap.add_argument("--listen", help="data address HOST:PORT (default 127.0.0.1:7410; port 0 = free)")
     ap.add_argument("--admin", help="admin HTTP address HOST:PORT or 'none' (default 127.0.0.1:7411)")
     ap.add_argument("--token-file", help="file holding the shared auth token")
@@ -312,6 +453,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--node-id", help="this node's id in the cluster (default: made once, kept in the data dir)")
     ap.add_argument("--lease-ttl", type=int, metavar="SECONDS",
                     help=f"etcd lease TTL: a killed node leaves within this (default {LEASE_TTL_S_DEFAULT})")
+    ap.add_argument("--upstream", metavar="HOST:PORT|etcd://HOST:PORT/PREFIX",
+                    help="answer misses from this daemon (or a region's etcd members) and store them here "
+                         "(default: none)")
+    ap.add_argument("--upstream-token-file", help="file holding the token the upstream expects")
+    ap.add_argument("--upstream-timeout-ms", type=int,
+                    help=f"an upstream slower than this is a miss (default {UPSTREAM_TIMEOUT_MS_DEFAULT})")
+    ap.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                    help="publish block stored/removed/cleared events in vLLM's KV-events format on a ZMQ PUB "
+                         "socket bound here (default: off)")
+    ap.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
+                    help="ZMQ ROUTER socket that replays recent KV-event batches from a sequence number")
+    ap.add_argument("--nixl", choices=NIXL_MODES,
+                    help="the NIXL transport (GETs written into clients' registered buffers over UCX): auto "
+                         "(offered where nixl is importable; default), on (fail to start without it), off")
+    ap.add_argument("--nixl-tls", metavar="LIST",
+                    help="UCX_TLS for the NIXL agent, e.g. 'self,sm,tcp' (default: detected)")
+    ap.add_argument("--preplace-edges", metavar="HOST:PORT,...|etcd://HOST:PORT/PREFIX",
+                    help="push the most asked-for prefixes to these edges as soft pins (default: off)")
+    ap.add_argument("--preplace-bytes", help="per edge: the most the pusher keeps soft-pinned there (k/m/g; "
+                                             "default 1g)")
+    ap.add_argument("--preplace-ttl-s", type=float,
+                    help=f"a pushed prefix stays soft-pinned this long after its last push (default "
+                         f"{PREPLACE_TTL_S_DEFAULT:.0f})")
+    ap.add_argument("--preplace-interval-s", type=float,
+                    help=f"seconds between push rounds (default {PREPLACE_INTERVAL_S_DEFAULT:.0f})")
+    ap.add_argument("--preplace-token-file", help="file holding the token the edges expect")
     ap.add_argument("--format", action="store_true", help="format the devices, then serve")
     ap.add_argument("--force", action="store_true", help="with --format: overwrite an existing store")
     return ap
@@ -331,7 +498,15 @@ def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
         "max_connections": ("max_connections", int), "frame_timeout": ("frame_timeout_s", float),
         "max_connections_per_peer": ("max_connections_per_peer", int), "idle_timeout": ("idle_timeout_s", float),
         "cluster": ("cluster", str), "advertise": ("advertise", str), "node_id": ("node_id", str),
-        "lease_ttl": ("lease_ttl_s", int),
+        "lease_ttl": ("lease_ttl_s", int), "pinned_fraction_max": ("pinned_fraction_max", float),
+        "clean_regions_target": ("clean_regions_target", int),
+        "upstream": ("upstream", str), "upstream_token_file": ("upstream_token_file", str),
+        "upstream_timeout_ms": ("upstream_timeout_ms", int),
+        "kv_events_endpoint": ("kv_events_endpoint", str), "kv_events_replay_endpoint": ("kv_events_replay_endpoint", str),
+        "nixl": ("nixl", str), "nixl_tls": ("nixl_tls", str),
+        "preplace_edges": ("preplace_edges", str), "preplace_bytes": ("preplace_bytes", _size("--preplace-bytes")),
+        "preplace_ttl_s": ("preplace_ttl_s", float), "preplace_interval_s": ("preplace_interval_s", float),
+        "preplace_token_file": ("preplace_token_file", str),
     }
     for arg, (field_name, conv) in flag_map.items():
         value = getattr(args, arg)

@@ -7,6 +7,10 @@ Opens (formatting on first run) the engine, serves the data protocol and, unless
 - SIGTERM / SIGINT: leave the cluster (``--cluster``: delete the member key, revoke the
   lease), stop accepting, finish in-flight requests, seal and sync, exit 0.
 - SIGHUP: re-read the config file's log level and token file; connections stay.
+
+An unexpected exception inside the engine fails it closed (``Engine.fail``): readiness goes
+false at once and the daemon stops, without sealing, exiting 4 (EXIT_ENGINE_FAILED) for
+systemd (``Restart=on-failure``) to start it again; the restart recovers from flash.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ log = logging.getLogger("kvtier.daemon")
 EXIT_CONFIG = 2  # bad flags or config: fix the command line
 EXIT_STARTUP = 1  # the store or a port could not be opened
 EXIT_UNCLEAN = 3  # stopped, but the open region could not be sealed (a device failed): unacknowledged puts lost
+EXIT_ENGINE_FAILED = 4  # the engine failed closed (an unexpected exception): restart, recovering from flash
 
 
 def _setup_logging(level: str) -> None:
@@ -68,14 +73,20 @@ class Daemon:
         self.state: DaemonState | None = None
         self._admin = None
         self._cluster = None  # a kvtier.daemon.cluster.ClusterMember with --cluster
+        self.engine_failure: str | None = None  # why the engine failed closed (Engine.fail), if it did
+        self._wake_w: int | None = None  # the main loop's wakeup pipe while it runs
 
     def start(self) -> str:
         """Open the store and start serving; returns the ready line."""
         from kvtier.daemon.server import DataServer
         self.notifier.notify("STATUS=opening devices and recovering the index")
         engine = open_engine(self.cfg)
+        engine.on_failure = self._engine_failed
+        kv_events = state = None
         try:
             state = DaemonState(self.cfg, engine)
+            if self.cfg.kv_events_endpoint is not None:  # before the data port opens: every change is published
+                kv_events = state.kv_events = _start_kv_events(self.cfg, engine)
             host, port = self.cfg.listen_address
             server = DataServer(engine, host, port, token=lambda: state.token,
                                 region_size_bytes=self.cfg.region_size_bytes,
@@ -83,7 +94,19 @@ class Daemon:
                                 max_connections_per_peer=self.cfg.max_connections_per_peer,
                                 idle_timeout_s=self.cfg.idle_timeout_s)
             state.data_server = server
+            state.nixl = _start_nixl(self.cfg, server)
+            if state.kv_events is not None:
+                from kvtier.wire.events import FEATURE_KV_EVENTS
+                server.add_feature(FEATURE_KV_EVENTS)
+            if self.cfg.upstream is not None:
+                state.upstream = _open_upstream(self.cfg, engine)
+                server.set_upstream(state.upstream)
+            if self.cfg.preplace_edges is not None:
+                state.preplacer = _preplacer(self.cfg, engine)
+                server.set_chain_observer(state.preplacer.observer.observe)
             state.data_address = server.start()
+            if state.preplacer is not None:
+                state.preplacer.start()
             self.state = state
             line = f"kvtierd ready data={format_address(*state.data_address[:2])}"
             if self.cfg.admin_address is not None:
@@ -91,14 +114,22 @@ class Daemon:
                 self._admin = AdminServer(state, *self.cfg.admin_address)
                 state.admin_address = tuple(self._admin.start())
                 line += f" admin={format_address(*state.admin_address[:2])}"
+            if state.kv_events is not None:
+                line += f" kv_events={state.kv_events.endpoint}"
             if self.cfg.cluster is not None:
                 self._cluster = _join_cluster(self.cfg, state)
                 state.cluster = self._cluster  # the admin view's cluster figures read it
         except BaseException:
             if self._admin is not None:
                 self._admin.stop()
+            if kv_events is not None:
+                kv_events.stop()
             if self.state is not None and self.state.data_server is not None:
                 self.state.data_server.stop()
+            if state is not None and state.preplacer is not None:
+                state.preplacer.stop()
+            if state is not None and state.upstream is not None:
+                state.upstream.close()
             engine.close()
             raise
         state.set_ready(True)
@@ -112,6 +143,22 @@ class Daemon:
         """Signal handler (SIGHUP); runs in the main thread."""
         self._reload_requested = True
 
+    def _engine_failed(self, reason: str) -> None:
+        """Engine.on_failure, from any thread: readiness goes false now, and the main thread stops
+        the daemon (exit EXIT_ENGINE_FAILED) without sealing what it can no longer trust."""
+        self.engine_failure = reason
+        if self.state is not None:
+            self.state.set_ready(False)
+        log.critical("event=engine_failed reason=%r (not ready; exiting %d to be restarted and recover from flash)",
+                     reason, EXIT_ENGINE_FAILED)
+        self._stop_requested = True
+        wake = self._wake_w
+        if wake is not None:
+            try:
+                os.write(wake, b"\0")
+            except OSError:  # the loop is ending anyway (pipe full or closed)
+                pass
+
     def run_until_stopped(self) -> None:
         """Watchdog pings and reloads until a stop is requested.
 
@@ -122,6 +169,7 @@ class Daemon:
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
         previous = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        self._wake_w = wake_w
         try:
             while not self._stop_requested:
                 select.select([wake_r], [], [], interval)
@@ -135,6 +183,7 @@ class Daemon:
                 if interval is not None and not self._stop_requested:
                     self.notifier.watchdog()
         finally:
+            self._wake_w = None
             signal.set_wakeup_fd(previous)
             os.close(wake_r)
             os.close(wake_w)
@@ -161,9 +210,15 @@ class Daemon:
         log.info("event=stopping")
         if self._cluster is not None:
             self._cluster.stop()  # clients stop routing here before the data port closes
+        if state.preplacer is not None:
+            state.preplacer.stop()  # no push reads the engine past this
         state.data_server.stop()
         if self._admin is not None:
             self._admin.stop()
+        if state.upstream is not None:
+            state.upstream.close()  # after the last request: what it fetched is stored (bounded), then closed
+        if state.kv_events is not None:
+            state.kv_events.stop()  # after the last request: its changes are published
         from kvtier.daemon.engine import EngineError
         try:
             state.engine.close()  # seals and syncs the open region, then closes the devices
@@ -181,6 +236,54 @@ def _join_cluster(cfg: DaemonConfig, state: DaemonState):
     return join_cluster(cfg.cluster_url, data_dir=cfg.data_dir, data_address=state.data_address,
                         admin_address=state.admin_address, advertise=cfg.advertise_address,
                         node_id=cfg.node_id, lease_ttl_s=cfg.lease_ttl_s)
+
+
+def _preplacer(cfg: DaemonConfig, engine):
+    """The pre-placement pusher of ``--preplace-edges`` (ConfigError names a bad token file, or
+    the extra to install when the edges are an etcd cluster and etcd3gw is missing)."""
+    from kvtier.daemon.preplace.pusher import PrePlacer
+    from kvtier.daemon.state import read_token
+    token = read_token(cfg.preplace_token_file) if cfg.preplace_token_file else None
+    try:
+        return PrePlacer(engine, cfg.preplace_settings(token))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _open_upstream(cfg: DaemonConfig, engine):
+    """The pull-through from ``--upstream``, with its own token (ConfigError names a bad token file)."""
+    from kvtier.daemon.state import read_token
+    from kvtier.daemon.upstream import open_pull_through
+    token = read_token(cfg.upstream_token_file) if cfg.upstream_token_file else None
+    try:
+        return open_pull_through(cfg.upstream, token, cfg.upstream_timeout_ms / 1000.0, engine)
+    except ValueError as exc:
+        raise ConfigError(f"upstream: {exc}") from None
+
+
+def _start_nixl(cfg: DaemonConfig, server):
+    """The NIXL transport's service attached to ``server`` (None: off, or auto without NIXL);
+    ConfigError says why ``--nixl on`` cannot start it."""
+    from kvtier.daemon.config import is_loopback
+    from kvtier.daemon.nixl import start_nixl
+    from kvtier.daemon.nixl.agent import NixlUnavailable
+    try:
+        service = start_nixl(cfg.nixl, is_loopback(cfg.listen_address[0]), cfg.nixl_tls)
+    except NixlUnavailable as exc:
+        raise ConfigError(f"nixl = on: {exc}") from None
+    if service is not None:
+        server.attach_nixl(service)
+    return service
+
+
+def _start_kv_events(cfg: DaemonConfig, engine):
+    """The KV-events publisher; ConfigError names the extra when pyzmq or msgspec is missing."""
+    try:
+        from kvtier.daemon.events.service import KVEvents
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"kv_events_endpoint needs {exc.name}, from the events extra: "
+                          "pip install 'kvtier[events]'") from None
+    return KVEvents(engine, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
 
 
 def _admin_server_class():
@@ -217,7 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=ready %s config=%s", line.removeprefix("kvtierd ready "), daemon.state.config.redacted())
     daemon.notifier.ready(f"serving {line.removeprefix('kvtierd ready ')}")
     daemon.run_until_stopped()
-    return 0 if daemon.shutdown() else EXIT_UNCLEAN
+    code = 0 if daemon.shutdown() else EXIT_UNCLEAN
+    if daemon.engine_failure is not None:
+        code = EXIT_ENGINE_FAILED
+    if daemon.state.nixl is not None and daemon.state.nixl.started:
+        from kvtier.daemon.nixl import exit_process
+        exit_process(code)  # UCX's teardown at interpreter exit can crash: the store is closed, skip it
+    return code
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ class DaemonState:
         self.start_time_s = time.time()
         self.data_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
+        self.kv_events = None  # a kvtier.daemon.events.service.KVEvents with --kv-events-endpoint
+        self.upstream = None  # a kvtier.daemon.upstream.PullThrough with --upstream
+        self.preplacer = None  # a kvtier.daemon.preplace.pusher.PrePlacer with --preplace-edges
+        self.nixl = None  # a kvtier.daemon.nixl.service.NixlService with --nixl auto|on (NIXL installed)
         self._lock = threading.Lock()
         self._config = config
         self._token = read_token(config.token_file) if config.token_file else None

@@ -12,7 +12,10 @@
    layer groups, ``KVCache(device="cuda").start_load`` timed to layer 0 and to the whole
    prefix, against a pinned host-to-device copy of the same bytes in the same run;
    ``--skip-load`` leaves it out;
-5. ``--pytest``: also runs the gpu-marked test files.
+5. NIXL (perf/gpu_nixl.py): a file read straight into HBM through the GDS_MT / GDS backend,
+   and a NIXL WRITE over UCX into a CUDA tensor, each byte-compared and timed against the
+   host path in the same run; each skips, saying why, without NIXL or GDS; ``--skip-nixl``;
+6. ``--pytest``: also runs the gpu-marked test files.
 
 Prints a table; writes gpu_check.json to $OUT when set (the device tool), else perf/out/.
 Works without an installed kvtier: it maps the repository's kernels/ folder to
@@ -86,6 +89,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes, smaller timing block")
     ap.add_argument("--pytest", action="store_true", help="also run the gpu-marked test files")
     ap.add_argument("--skip-load", action="store_true", help="leave out the pipelined load into HBM")
+    ap.add_argument("--skip-nixl", action="store_true", help="leave out the NIXL GDS read and transfer into HBM")
     args = ap.parse_args()
     src_path = bootstrap_kvtier()
     import cupy
@@ -254,6 +258,13 @@ def main() -> int:
 
             return pipelined_load(quick=args.quick, pythonpath=src_path)
 
+    if not args.skip_nixl:
+        sys.path.insert(0, str(ROOT / "perf"))
+        import gpu_nixl
+
+        section(report, "gds_read_hbm")(gpu_nixl.gds_read_hbm)
+        section(report, "nixl_into_hbm")(gpu_nixl.nixl_into_hbm)
+
     if args.pytest:
         @section(report, "pytest")
         def _pytest():
@@ -268,6 +279,7 @@ def main() -> int:
     print(f"wrote {out_dir / 'gpu_check.json'}", flush=True)
     failed = bool(report.get("errors")) or any(report.get(k, {}).get("differing") for k in
                                                ("codec_correctness", "paged_correctness"))
+    failed = failed or any(report.get(k, {}).get("equal") is False for k in ("gds_read_hbm", "nixl_into_hbm"))
     return 1 if failed else 0
 
 

@@ -24,7 +24,7 @@ STOP_TIMEOUT_S = 60.0  # seal + sync of a region on a loaded machine
 READY_RE = re.compile(r"^kvtierd ready data=(\S+)(?: admin=(\S+))?")
 
 DEFAULT_ARGS = ("--device-size", "64m", "--region-size", "4m", "--stripe-size", "256k",
-                "--listen", "127.0.0.1:0")
+                "--listen", "127.0.0.1:0", "--nixl", "off")  # tests of the nixl transport turn it on
 
 
 class KvtierdProcess:

@@ -119,6 +119,24 @@ def flip_byte_on_flash(daemon, client, key: bytes, at: int) -> None:
         f.write(bytes([old[0] ^ 0xFF]))
 
 
+FILLER_BYTES = 256 << 10
+FILLERS_MAX = 64  # 16 MiB of fillers: several of the test daemon's 4 MiB regions
+
+
+def seal_the_region_of(client, keys) -> None:
+    """Put filler blocks until these stored keys' LOOKUP locations say sealed (LOCATION_SEALED):
+    their region was sealed and left DRAM, so the daemon reads them from flash. Call with nothing
+    made durable since they were put (no flush, no durable put): while a block is in the open
+    region, not yet written in place, its location is not sealed."""
+    for n in range(FILLERS_MAX):
+        _, locs = client.lookup_locations(keys)
+        if all(loc is not None and loc.sealed for loc in locs):
+            return
+        filler = bytes([200, keys[0][0]]) + n.to_bytes(14, "little")
+        client.put(filler, make_block(filler, FILLER_BYTES))
+    raise AssertionError(f"{FILLERS_MAX} filler blocks did not seal the region of {len(keys)} blocks")
+
+
 def test_a_block_corrupt_on_flash_is_a_miss_and_a_re_put_replaces_it(kvtierd):
     """The daemon sends blocks with their header, key and seq checked and leaves the payload
     CRC to the client (READER_VERIFIES); a block that fails is asked for again without the
@@ -128,7 +146,7 @@ def test_a_block_corrupt_on_flash_is_a_miss_and_a_re_put_replaces_it(kvtierd):
     blocks = [make_block(k, 100_000 + 999 * i) for i, k in enumerate(keys)]
     with BlockClient(kvtierd.data_addr) as c:
         c.put_many(list(zip(keys, blocks)))
-        c.flush()
+        seal_the_region_of(c, keys)
         flip_byte_on_flash(kvtierd, c, keys[1], HEADER_SIZE + 5000)
         flip_byte_on_flash(kvtierd, c, keys[2], HEADER_SIZE + 7)
         got = c.get_many(keys)
@@ -152,7 +170,7 @@ def test_the_daemon_checks_payloads_unless_the_reader_says_it_does(kvtierd):
     with BlockClient(kvtierd.data_addr) as c:
         assert p.FEATURE_GET_READER_VERIFIES in c.server_info()["features"]
         c.put_many(list(zip(keys, blocks)))
-        c.flush()
+        seal_the_region_of(c, keys)
         flip_byte_on_flash(kvtierd, c, keys[0], HEADER_SIZE + 100)
         flip_byte_on_flash(kvtierd, c, keys[2], HEADER_SIZE + 100)
         trusting = c._call(lambda: ops.op_single(p.Get(0, tuple(keys), None, reader_verifies=True)))
@@ -171,8 +189,8 @@ def test_async_client_asks_again_without_the_flag_after_a_mismatch(kvtierd):
     async def scenario():
         async with AsyncBlockClient(kvtierd.data_addr) as c:
             await c.put_many(list(zip(keys, blocks)))
-            await c.flush()
             with BlockClient(kvtierd.data_addr) as sync:
+                seal_the_region_of(sync, keys)
                 flip_byte_on_flash(kvtierd, sync, keys[1], HEADER_SIZE + 3)
             got = await c.get_many(keys)
             assert got[0][HEADER_SIZE:] == blocks[0][HEADER_SIZE:] and got[1] is None

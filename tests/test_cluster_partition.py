@@ -4,62 +4,30 @@ set down) leaves when its lease expires and registers again once the link is bac
 Needs root and ``ip netns``; skipped otherwise. The namespace and its veth pair are
 removed afterwards, and the partition lasts only until the lease is seen gone.
 """
+import contextlib
 import os
-import secrets
 import subprocess
 
 import pytest
 
 from cluster_fixtures import LEASE_TTL_S, wait_members
-from daemon_proc import KvtierdProcess, _merge, DEFAULT_ARGS
+from daemon_proc import _merge, DEFAULT_ARGS
 from etcd_server import EtcdServer, etcd_missing_reason
 from kvtier.client.cluster_members import open_members
-
-NS_DATA_PORT = 17410  # inside the namespace nothing else listens
-IP_TIMEOUT_S = 10.0
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=IP_TIMEOUT_S)
-
-
-class NetnsKvtierd(KvtierdProcess):
-    """A kvtierd started inside network namespace ``netns``."""
-
-    def __init__(self, netns: str, data_dir, args):
-        self.netns = netns
-        super().__init__(data_dir, args)
-
-    @property
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *super().command]
-
+from netns import NS_DATA_PORT, NetnsKvtierd, veth_namespace
+from netns import ip as _ip
 
 @pytest.fixture
 def netns():
     """(namespace, host-side veth, host address, namespace address); removed afterwards."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    tag = secrets.token_hex(3)
-    name, host_if, ns_if = f"kvt-{tag}", f"kvh{tag}", f"kvn{tag}"
-    subnet = 16 + int(tag[:2], 16) % 200
-    host_ip, ns_ip = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
-    try:
-        _ip("netns", "add", name)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot create a network namespace here: {exc}")
-    try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", name)
-        _ip("addr", "add", f"{host_ip}/30", "dev", host_if)
-        _ip("link", "set", host_if, "up")
-        _ip("-n", name, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
-        _ip("-n", name, "link", "set", ns_if, "up")
-        _ip("-n", name, "link", "set", "lo", "up")
-        yield name, host_if, host_ip, ns_ip
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=IP_TIMEOUT_S)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=IP_TIMEOUT_S)
+    with contextlib.ExitStack() as stack:
+        try:
+            joined = stack.enter_context(veth_namespace("10.213"))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"cannot create a network namespace here: {exc}")
+        yield joined
 
 
 @pytest.mark.root

@@ -79,3 +79,14 @@ def test_notifier_speaks_to_abstract_and_path_sockets(tmp_path):
     silent = Notifier({})
     assert not silent.enabled and silent.watchdog_interval_s is None and silent.ready() is False
     assert Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "100", "WATCHDOG_PID": "1"}).watchdog_interval_s is None
+
+
+def test_clean_regions_target_from_the_file_and_the_flag(tmp_path):
+    toml = tmp_path / "kvtierd.toml"
+    toml.write_text("clean_regions_target = 4\n")
+    data = str(tmp_path / "data")
+    assert config_from_args(["--config", str(toml), "--data-dir", data]).engine_config().clean_regions_target == 4
+    assert config_from_args(["--config", str(toml), "--data-dir", data,
+                             "--clean-regions-target", "3"]).clean_regions_target == 3
+    with pytest.raises(ConfigError, match="clean_regions_target"):
+        config_from_args(["--data-dir", data, "--clean-regions-target", "0"])

@@ -12,6 +12,8 @@ from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.daemon.server import DataServer
 from kvtier.daemon.server.arenas import ReplyArenas
 from kvtier.wire import connection as p
+
+from test_engine import seal
 from kvtier.wire.events import RemoteError
 
 NS = b"\x0c" * 16
@@ -152,7 +154,7 @@ def test_get_reply_blocks_land_in_the_connections_buffer(engine):
     keys = [bytes([4]) + i.to_bytes(15, "little") for i in range(4)]
     blocks = [encode_block(k, NS, 0, os.urandom(300_000 + 999 * i)) for i, k in enumerate(keys)]
     engine.put_many(blocks[:2])
-    engine.flush()  # two on flash (sealed), two in the open region
+    seal(engine)  # two on flash (sealed), two in the open region
     engine.put_many(blocks[2:])
     handler = RequestHandler(engine, ServerStatsRecorder(), lambda: None, 2 << 20, p.Limits(), dict)
     session = Session("test", greeted=True)

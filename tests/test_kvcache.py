@@ -480,7 +480,9 @@ def test_a_raw_load_makes_no_block_sized_copies(daemon):
         finally:
             tracemalloc.stop()
     assert loaded.num_tokens == len(tokens)
-    assert peak < layout.block_raw_bytes // 8, f"{peak} bytes allocated while loading"
+    # what is allocated: the receive chunks and, per block, the scatter list's views (one
+    # ~190-byte memoryview per (layer, K|V, head) row it lands in): no copy of a block
+    assert peak < layout.block_raw_bytes // 6, f"{peak} bytes allocated while loading"
 
 
 @pytest.mark.parametrize("codec", ["raw", "int8"])

@@ -95,6 +95,31 @@ def test_ranked_is_an_ordering_that_starts_at_the_owner():
     assert (np.array(fewer.members)[fewer.ranked(keys, len(MEMBERS) - 1)] == kept).all()
 
 
+def test_ranked_by_argmax_is_the_stable_sort_order_ties_included():
+    from kvtier.client.routing import RANK_BY_ARGMAX_MAX, _top
+
+    rng = np.random.default_rng(9)
+    scores = rng.integers(0, 2**64, size=(2000, 16), dtype=np.uint64)
+    scores[:50] = 7  # every column tied
+    scores[50:100, ::2] = 0  # ties at zero among half the columns
+    scores[100:150] = 0
+    scores[150:200, 3] = scores[150:200, 9] = np.uint64(2**64 - 1)  # a tie for first place
+    for count in range(1, RANK_BY_ARGMAX_MAX + 2):
+        want = np.argsort(~scores, axis=1, kind="stable")[:, :count]
+        assert (_top(scores.copy(), count) == want).all(), count
+
+
+def test_ranked_keeps_the_ranking_of_a_full_sort():
+    from kvtier.client.routing import _key_hashes
+
+    keys = random_keys(4096, seed=8)
+    members = [f"node-{i:02d}" for i in range(16)]
+    r = Rendezvous(members)
+    full = np.argsort(~r._scores(_key_hashes(keys)), axis=1, kind="stable")
+    for count in (1, 2, 3, 16):
+        assert (r.ranked(keys, count) == full[:, :count]).all()
+
+
 def test_groups_and_positions_by_owner():
     assert positions_by_owner(np.array([2, 0, 2, 1, 0])) == {0: [1, 4], 1: [3], 2: [0, 2]}
     assert positions_by_owner(np.array([], dtype=np.intp)) == {}

@@ -12,7 +12,10 @@
     lookup|pin|unpin (KEY... | --namespace NS.json --tokens LIST|@FILE)
     evict (KEY... | --namespace-id HEX | --namespace NS.json | --all)
     config                         the daemon's effective config (secrets redacted)
+    preplace (KEY... | --namespace NS.json --tokens LIST) [--edge E]... [--ttl-s N] | --push | --status
+                                   a region: soft-pin a prefix on its edges (tools/preplace_cli.py)
     cluster status [--cluster etcd://HOST:PORT/PREFIX]   members, leases, per-node figures
+    cluster repair [--cluster URL] [--rate 64m] [--once] re-replicate to owners that lack blocks
     nvmeof export|unexport|connect ...   NVMe-oF: nvmet configfs export, nvme connect + device map
     fsck  [--device P]... [--repair]   offline: scan a STOPPED store's regions
     format [--device P]... [--force]   offline: write a new, empty store
@@ -306,16 +309,27 @@ def cmd_evict(args) -> int:
     return EXIT_OK
 
 
-def cmd_cluster_status(args) -> int:
-    from kvtier.tools.cluster_cli import ClusterCliError, cluster_status, render_cluster_status
+def _cluster_url_and_token(args, command: str) -> tuple[str, str | None]:
     url = args.cluster or os.environ.get("KVTIER_CLUSTER") or _config_settings(args).get("cluster")
     if not url:
-        raise UsageError("cluster status needs --cluster etcd://HOST:PORT/PREFIX (or $KVTIER_CLUSTER, "
+        raise UsageError(f"cluster {command} needs --cluster etcd://HOST:PORT/PREFIX (or $KVTIER_CLUSTER, "
                          "or cluster in the config file)")
     token = args.token or os.environ.get("KVTIER_TOKEN")
     token_file = args.token_file or os.environ.get("KVTIER_TOKEN_FILE")
     if token is None and token_file:
         token = read_token_file(token_file)
+    return url, token
+
+
+def cmd_cluster_repair(args) -> int:
+    from kvtier.tools.cluster_repair import run_repair_command
+    url, token = _cluster_url_and_token(args, "repair")
+    return run_repair_command(args, url, token, _emit)
+
+
+def cmd_cluster_status(args) -> int:
+    from kvtier.tools.cluster_cli import ClusterCliError, cluster_status, render_cluster_status
+    url, token = _cluster_url_and_token(args, "status")
     try:
         doc = cluster_status(url, token)
     except ClusterCliError as exc:
@@ -405,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
     cp = csub.add_parser("status", help="members, addresses, lease TTLs and per-node figures")
     cp.add_argument("--cluster", metavar="etcd://HOST:PORT/PREFIX", help="the cluster's etcd URL")
     cp.set_defaults(fn=cmd_cluster_status)
+    cp = csub.add_parser("repair", help="copy blocks to owners that lack them (join, rejoin, lost replica)")
+    cp.add_argument("--cluster", metavar="etcd://HOST:PORT/PREFIX", help="the cluster's etcd URL")
+    cp.add_argument("--replicas", type=int, default=2, help="copies of each key (as the clients use; default 2)")
+    cp.add_argument("--rate", default="64m", help="bytes a second at most, k/m/g suffixes (default 64m)")
+    cp.add_argument("--once", action="store_true", help="one pass, then exit (else: watch and repeat)")
+    cp.add_argument("--interval", type=float, default=60.0, help="seconds between passes without a change")
+    cp.set_defaults(fn=cmd_cluster_repair)
+    from kvtier.tools.preplace_cli import add_preplace_parser
+    add_preplace_parser(sub, sys.modules[__name__])
     add_nvmeof_parser(sub)
     sp = sub.add_parser("fsck", help="offline check of a stopped store")
     _add_store(sp)

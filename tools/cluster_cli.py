@@ -6,7 +6,8 @@
 
 For each member: node id, data and admin addresses, the lease's remaining TTL (from etcd)
 and, where the node answers, its headline figures (admin API ``/v1/stats``, else the data
-port's STATS). The URL comes from ``--cluster``, else ``$KVTIER_CLUSTER``, else the
+port's STATS) with the members it sees and the bytes the repairer moved to it; then the
+cluster's re-replication figures (``kvtier cluster repair`` writes them to etcd). The URL comes from ``--cluster``, else ``$KVTIER_CLUSTER``, else the
 config file's ``cluster`` key. etcd not answering is exit 1 with the URL; a member that
 does not answer is listed as unreachable.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from kvtier.client.cluster_etcd import EtcdError, EtcdReader
 from kvtier.client.cluster_members import ClusterUnavailable, Member, MemberTable
 from kvtier.common.cluster_url import ClusterUrlError, parse_cluster_url
+from kvtier.tools.cluster_repair import read_status
 from kvtier.tools.admin_client import AdminClient, AdminError
 from kvtier.tools.admin_render import human_bytes, percent
 
@@ -29,9 +31,11 @@ class ClusterCliError(Exception):
 def _admin_figures(member: Member, token: str | None) -> dict:
     stats = AdminClient(member.admin, token, timeout_s=NODE_TIMEOUT_S).stats()
     engine, warm = stats.get("engine", {}), stats.get("tiers", {}).get("warm", {})
+    cluster = stats.get("cluster") or {}
     return {"source": "admin", "blocks": engine.get("blocks", 0), "bytes_stored": engine.get("bytes_stored", 0),
             "regions_free": engine.get("regions_free", 0), "hit_ratio": warm.get("hit_ratio"),
-            "open_connections": stats.get("server", {}).get("open_connections", 0)}
+            "open_connections": stats.get("server", {}).get("open_connections", 0),
+            "members_seen": cluster.get("members_seen"), "re_registrations": cluster.get("re_registrations")}
 
 
 def _data_figures(member: Member, token: str | None) -> dict:
@@ -69,15 +73,18 @@ def cluster_status(url_text: str, token: str | None = None) -> dict:
         table.reset(kvs, revision)
         members = table.view().members
         ttls = {m.node_id: reader.lease_ttl_s(m.lease_id) if m.lease_id else None for m in members}
+        repair = read_status(url, reader)
     except (ClusterUrlError, ClusterUnavailable, EtcdError) as exc:
         raise ClusterCliError(str(exc)) from None
     nodes = []
+    moved_to = (repair or {}).get("bytes_moved_to", {})
     for m in members:
         figures, error = node_figures(m, token)
         nodes.append({"node_id": m.node_id, "data": m.address, "admin": m.admin, "lease_id": m.lease_id,
                       "lease_ttl_s": ttls[m.node_id], "reachable": figures is not None, "figures": figures,
-                      "error": error})
-    return {"cluster": url.text, "revision": revision, "members": nodes, "bad_records": table.bad_records}
+                      "error": error, "repair_bytes_received": moved_to.get(m.node_id, 0)})
+    return {"cluster": url.text, "revision": revision, "members": nodes, "bad_records": table.bad_records,
+            "repair": repair}
 
 
 def render_cluster_status(doc: dict) -> str:
@@ -93,9 +100,15 @@ def render_cluster_status(doc: dict) -> str:
             figures = f"unreachable: {n['error']}"
         elif f["source"] == "admin":
             figures = (f"{f['blocks']} blocks ({human_bytes(f['bytes_stored'])}), hit {percent(f['hit_ratio'])}, "
-                       f"{f['open_connections']} connections")
+                       f"{f['open_connections']} connections, sees {f['members_seen']} members, "
+                       f"{human_bytes(n['repair_bytes_received'])} repaired in")
         else:
             picked = {k: v for k, v in f.items() if k.rsplit(".", 1)[-1] in STATS_SHOWN}
             figures = ", ".join(f"{k}={v}" for k, v in sorted(picked.items()))
         lines.append(f"  {n['node_id']:<24} {n['data']:<22} {n['admin'] or '-':<22} {ttl:>4}  {figures}")
+    r = doc.get("repair")
+    lines.append("  repair: none run yet (kvtier cluster repair)" if r is None else
+                 f"  repair: {r['passes']} passes, {r['blocks_copied']} blocks copied "
+                 f"({human_bytes(r['bytes_moved'])} moved), {r['blocks_failed']} failed, last pass "
+                 f"{r['last_pass_s']:.1f} s")
     return "\n".join(lines)

@@ -26,18 +26,21 @@ Zero-copy receive: while a payload is pending, :meth:`Connection.payload_view`
 returns the unfilled part of the payload buffer (allocated only after the
 limits were checked, or supplied with :meth:`Connection.set_payload_buffer`);
 the I/O layer ``recv_into``\\ s it and reports :meth:`Connection.payload_received`.
+A payload may also be scattered over several buffers
+(:meth:`Connection.set_payload_buffers`, :meth:`Connection.payload_views`).
 """
 from __future__ import annotations
 
 from kvtier.wire import readers, writers
 from kvtier.wire.frames import FRAME_HEADER_SIZE, KNOWN_FLAGS, REQUEST_ID_MAX, FrameHead, pack_header
+from kvtier.wire.payload_pieces import PayloadPieces
 from kvtier.wire.readers import PackedKeys  # noqa: F401  (re-exported)
 from kvtier.wire.state import (Admission, ConnectionState, Input, OutstandingRequests, Receive, SentRequest,
                                check_before_hello, check_reply_meta)
 from kvtier.wire.state import Role  # noqa: F401  (re-exported)
 from kvtier.wire.events import (  # noqa: F401  (re-exported)
-    BATCH_COUNT_MAX, DEFAULT_LIMITS, FEATURE_GET_READER_VERIFIES, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX,
-    PAYLOAD_BYTES_MAX,
+    BATCH_COUNT_MAX, DEFAULT_LIMITS, FEATURE_GET_READER_VERIFIES, FEATURE_UPSTREAM, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX,
+    PAYLOAD_BYTES_MAX, FEATURE_PIN_TTL,
     PROTOCOL_VERSION, REPLY_BIT, REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply,
     ErrorCode, ErrorReply, Flush, FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, LocationRecords,
     Lookup, LookupReply, Op, Pin, PinReply, Ping, PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError,
@@ -139,6 +142,18 @@ class Connection:
         self._payload = view[:self._head.payload_len]
         self._drain_into_payload()
 
+    def set_payload_buffers(self, views) -> None:
+        """Receive the pending payload into ``views`` in order (a scatter list, see
+        :mod:`~kvtier.wire.payload_pieces`; their sizes add up to payload_len); the message
+        builder then gets the payload as :class:`~kvtier.wire.payload_pieces.PayloadPieces`."""
+        if self._state.receive is not Receive.PAYLOAD or self._payload is not None:
+            raise RuntimeError("set_payload_buffers needs a pending payload whose buffer is not yet chosen")
+        pieces = PayloadPieces(views)
+        if pieces.nbytes != self._head.payload_len:
+            raise ValueError(f"payload pieces of {pieces.nbytes} bytes for a {self._head.payload_len}-byte payload")
+        self._payload = pieces
+        self._drain_into_payload()
+
     def reject_payload(self, code: ErrorCode, message: str) -> Rejected:
         """Refuse the pending frame before a buffer for its payload is chosen: the payload is
         skipped as it arrives, and the returned event is answered like any Rejected one."""
@@ -159,7 +174,17 @@ class Connection:
             self._drain_into_payload()
         if self._filled >= self._head.payload_len:
             return None
+        if isinstance(self._payload, PayloadPieces):
+            return self._payload.unfilled(self._filled, 1)[0]
         return self._payload[self._filled:]
+
+    def payload_views(self) -> list[memoryview] | None:
+        """:meth:`payload_view` as a list for ``recvmsg_into``: the unfilled pieces of a
+        scattered payload, else the one view (None when no payload is pending)."""
+        view = self.payload_view()
+        if view is None or not isinstance(self._payload, PayloadPieces):
+            return None if view is None else [view]
+        return self._payload.unfilled(self._filled)
 
     def payload_received(self, nbytes: int) -> None:
         """``nbytes`` were written into the view :meth:`payload_view` returned."""
@@ -173,7 +198,10 @@ class Connection:
     def _drain_into_payload(self) -> None:
         take = min(len(self._buf), self._head.payload_len - self._filled)
         if take:
-            self._payload[self._filled:self._filled + take] = self._buf[:take]
+            if isinstance(self._payload, PayloadPieces):
+                self._payload.write(self._filled, self._buf[:take])
+            else:
+                self._payload[self._filled:self._filled + take] = self._buf[:take]
             del self._buf[:take]
             self._filled += take
 

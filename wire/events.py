@@ -19,6 +19,14 @@ KEY_SIZE = 16  # block keys and namespace ids (kvtier.common.keys.KEY_SIZE_BYTES
 BATCH_COUNT_MAX = 16384  # keys per frame: a 256k-token chain at 16 tokens per block
 META_BYTES_MAX = 1 << 20  # item tables (16384 x 24-byte locations) and JSON documents
 FEATURE_GET_READER_VERIFIES = "get_reader_verifies"  # HELLO features: GET honours FLAG_READER_VERIFIES
+FEATURE_KV_EVENTS = "kv_events"  # HELLO features: the daemon publishes KV events (kvtierd --kv-events-endpoint)
+FEATURE_PIN_TTL = "pin_ttl"  # HELLO features: PIN honours FLAG_PIN_TTL (soft pins that expire by themselves)
+PIN_TTL_MS_MAX = 2**32 - 1  # the PIN meta's u32: about 49.7 days
+FEATURE_UPSTREAM = "upstream"  # HELLO features: the daemon has an upstream and answers FLAG_WANT_ORIGIN
+FEATURE_NIXL = "nixl"  # HELLO features: the daemon runs a NIXL agent and answers NIXL_METADATA / NIXL_GET
+NIXL_AGENT_METADATA_BYTES_MAX = 256 << 10  # a NIXL agent's metadata blob: ~300 bytes + ~50 per registered region
+NIXL_REGIONS_MAX = 1024  # destination regions one client declares: a hot pool or KV pages in a few large buffers
+NIXL_AGENT_NAME_BYTES_MAX = 256  # a NIXL agent name: a label, like HELLO's client name
 PAYLOAD_BYTES_MAX = 256 << 20  # block bytes per frame: bounds one connection's buffer
 NAME_BYTES_MAX = 256  # client name in HELLO: a label, not a document
 TOKEN_BYTES_MAX = 4096  # auth token in HELLO: far above any sane secret
@@ -59,6 +67,8 @@ class Op(enum.IntEnum):
     FLUSH = 0x08
     STATS = 0x09
     PING = 0x0A
+    NIXL_METADATA = 0x0B  # NIXL agent metadata exchange (after HELLO, on the authenticated connection)
+    NIXL_GET = 0x0C  # GET whose blocks the daemon WRITEs into the client's NIXL descriptors
     ERROR = 0x7F  # a reply only
     # replies: request op | REPLY_BIT
 
@@ -132,6 +142,7 @@ class Lookup:
     keys: tuple[bytes, ...]
     want_locations: bool = False
     ns_id: bytes | None = None
+    want_origin: bool = False  # the reply says, per leading block, whether it is here or at the upstream
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,7 @@ class Get:
     keys: tuple[bytes, ...]
     ns_id: bytes | None = None
     reader_verifies: bool = False
+    want_origin: bool = False  # the reply says, per block, whether it was local or fetched from the upstream
 
 
 @dataclass(frozen=True)
@@ -166,9 +178,13 @@ class Delete:
 
 @dataclass(frozen=True)
 class Pin:
+    """``ttl_ms``: a soft pin for that many milliseconds (1..PIN_TTL_MS_MAX), which expires by
+    itself and is kept in the daemon's memory only; None: a hard pin, durable until UNPIN."""
+
     request_id: int
     keys: tuple[bytes, ...]
     ns_id: bytes | None = None
+    ttl_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +251,7 @@ class LookupReply:
     request_id: int
     leading: int
     locations: tuple[Location | None, ...] | LocationRecords | None = None
+    origins: bytes | None = None  # WANT_ORIGIN: one byte per leading key (frames.ORIGIN_LOCAL / ORIGIN_UPSTREAM)
 
 
 class _Deferred:
@@ -251,6 +268,7 @@ DEFERRED = _Deferred()
 class GetReply:
     request_id: int
     blocks: tuple[Any, ...]  # bytes-like, None (miss) or DEFERRED (not sent this time)
+    origins: bytes | None = None  # WANT_ORIGIN: one byte per item (frames.ORIGIN_LOCAL / ORIGIN_UPSTREAM)
 
 
 @dataclass(frozen=True)
@@ -311,6 +329,45 @@ class Rejected:
     message: str
 
 
-REQUEST_TYPES = (Hello, Lookup, Get, Put, Delete, Pin, Unpin, Flush, Stats, Ping)
+# -- NIXL (docs/nixl.md; the byte layout is kvtier.wire.nixl_frames) ---------
+@dataclass(frozen=True)
+class NixlMetadata:
+    """The client's NIXL agent metadata and the destination regions it registered,
+    ``(address, length_bytes)`` each: the daemon writes blocks only inside them."""
+
+    request_id: int
+    metadata: bytes
+    regions: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class NixlMetadataReply:
+    request_id: int
+    metadata: bytes  # the daemon's agent metadata
+
+
+@dataclass(frozen=True)
+class NixlGet:
+    """A GET whose blocks are written into ``descriptors[i] = (address, capacity_bytes)`` of the
+    client agent ``agent_name`` (the one its NIXL_METADATA loaded), then a NIXL notification."""
+
+    request_id: int
+    keys: tuple[bytes, ...]
+    agent_name: str
+    descriptors: tuple[tuple[int, int], ...]
+    ns_id: bytes | None = None
+    reader_verifies: bool = False
+
+
+@dataclass(frozen=True)
+class NixlGetReply:
+    """Per item the length written at its descriptor (0 = miss, DEFERRED_LENGTH = ask again)."""
+
+    request_id: int
+    lengths: tuple[int, ...]
+
+
+REQUEST_TYPES = (Hello, Lookup, Get, Put, Delete, Pin, Unpin, Flush, Stats, Ping, NixlMetadata, NixlGet)
 REPLY_TYPES = (HelloReply, LookupReply, GetReply, PutReply, DeleteReply, PinReply, UnpinReply,
-               FlushReply, StatsReply, PingReply, ErrorReply)
+               FlushReply, StatsReply, PingReply, ErrorReply,
+               NixlMetadataReply, NixlGetReply)

@@ -9,7 +9,7 @@ JSON) and a *payload* section (block bytes only)::
     0      4    magic        b"KVTP"
     4      1    version      PROTOCOL_VERSION
     5      1    op           Op (requests) or Op | 0x80 (replies); 0x7F|0x80 = ERROR
-    6      2    flags        HAS_NS | DURABLE | WANT_LOCATIONS | READER_VERIFIES
+    6      2    flags        HAS_NS | DURABLE | WANT_LOCATIONS | READER_VERIFIES | WANT_ORIGIN
     8      8    request_id   echoed in the reply
     16     4    count        items in the batch
     20     4    meta_len     bytes of the meta section
@@ -39,7 +39,9 @@ FLAG_HAS_NS = 0x1  # the meta section starts with a 16-byte namespace id
 FLAG_DURABLE = 0x2  # PUT: acknowledge only once on flash and synced
 FLAG_WANT_LOCATIONS = 0x4  # LOOKUP: answer each key's location too
 FLAG_READER_VERIFIES = 0x8  # GET: the reader checks payload CRCs itself, the daemon may leave them out
-KNOWN_FLAGS = FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_READER_VERIFIES
+FLAG_WANT_ORIGIN = 0x10  # GET, LOOKUP: the reply says per block whether it was local or fetched upstream
+FLAG_PIN_TTL = 0x20  # PIN: a soft pin; the meta section holds a u32 ttl_ms (after the namespace id) before the keys
+KNOWN_FLAGS = FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_READER_VERIFIES | FLAG_WANT_ORIGIN | FLAG_PIN_TTL
 
 U16 = struct.Struct("<H")  # HELLO string lengths
 U32 = struct.Struct("<I")  # LOOKUP reply: the leading count
@@ -52,6 +54,7 @@ LOCATION_RECORD = np.dtype([("logical_offset", "<u8"), ("length", "<u4"), ("seq"
                             ("pad", "V3")])  # LOCATION as columns
 assert LOCATION_RECORD.itemsize == LOCATION.size
 KEY_RECORD = np.dtype(f"V{m.KEY_SIZE}")  # a key as an opaque item: .tolist() gives bytes, nothing stripped
+ORIGIN_LOCAL, ORIGIN_UPSTREAM = 0, 1  # WANT_ORIGIN reply bytes: held by this daemon, fetched from its upstream
 DEFERRED_LENGTH = 0xFFFFFFFF  # GET reply length: item not sent in this reply (payload limit), ask again
 REQUEST_ID_MAX = 2**64 - 1  # the header's u64
 

@@ -19,8 +19,10 @@ import numpy as np
 from kvtier.wire import events as m
 from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_WANT_LOCATIONS,
-                                FRAME_HEADER, KEY_RECORD, LOCATION, LOCATION_PRESENT, LOCATION_RECORD,
+                                FLAG_WANT_ORIGIN, FRAME_HEADER, KEY_RECORD, LOCATION, LOCATION_PRESENT, LOCATION_RECORD,
                                 LOCATION_SEALED, MAGIC, PUT_ITEM, U16, U32, FrameHead)
+from kvtier.wire.frames import FLAG_PIN_TTL
+from kvtier.wire import nixl_frames
 
 
 def parse_header(buf, limits: Limits) -> FrameHead:
@@ -126,6 +128,21 @@ def _meta_keys(head: FrameHead, meta: bytes, limits: Limits) -> tuple[bytes | No
     return ns, split_keys(meta, off)
 
 
+def _meta_pin(head: FrameHead, meta: bytes, limits: Limits) -> tuple[bytes | None, PackedKeys, int | None]:
+    """A PIN's keys and, with FLAG_PIN_TTL, its u32 ttl_ms (after the namespace id)."""
+    if not head.flags & FLAG_PIN_TTL:
+        return (*_meta_keys(head, meta, limits), None)
+    ns_bytes = m.KEY_SIZE if head.flags & FLAG_HAS_NS else 0
+    if len(meta) < ns_bytes + U32.size:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"PIN with FLAG_PIN_TTL: a meta section of {len(meta)} bytes "
+                      f"holds no ttl_ms")
+    (ttl_ms,) = U32.unpack_from(meta, ns_bytes)
+    if ttl_ms == 0:
+        raise _reject(head, ErrorCode.BAD_REQUEST, "PIN with FLAG_PIN_TTL: ttl_ms is 0 (a soft pin lasts >= 1 ms)")
+    ns, keys = _meta_keys(head, meta[:ns_bytes] + meta[ns_bytes + U32.size:], limits)
+    return ns, keys, ttl_ms
+
+
 def _meta_put(head: FrameHead, meta: bytes, limits: Limits):
     _check_count(head, limits)
     ns, off = _split_ns(head, meta)
@@ -193,16 +210,32 @@ def _meta_json(head: FrameHead, meta: bytes, limits: Limits):
 
 
 def _meta_lookup_reply(head: FrameHead, meta: bytes, limits: Limits):
+    """``(leading, locations or None, origins or None)``; with WANT_ORIGIN the meta section ends
+    with one origin byte per leading key."""
     _check_count(head, limits)
     _no_payload(head)
     want = bool(head.flags & FLAG_WANT_LOCATIONS)
-    expect = 4 + (head.count * LOCATION.size if want else 0)
+    if len(meta) < 4:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"LOOKUP reply meta of {len(meta)} bytes has no leading count")
+    (leading,) = U32.unpack_from(meta, 0)
+    records_end = 4 + (head.count * LOCATION.size if want else 0)
+    expect = records_end + (leading if head.flags & FLAG_WANT_ORIGIN else 0)
     if len(meta) != expect:
         raise _reject(head, ErrorCode.BAD_REQUEST, f"LOOKUP reply meta of {len(meta)} bytes, expected {expect}")
-    (leading,) = U32.unpack_from(meta, 0)
-    if not want:
-        return leading, None
-    return leading, _decode_locations(meta, 4)
+    origins = _check_origins(head, meta[records_end:]) if head.flags & FLAG_WANT_ORIGIN else None
+    return leading, (_decode_locations(meta[:records_end], 4) if want else None), origins
+
+
+def _check_origins(head: FrameHead, origins: bytes) -> bytes:
+    if origins.translate(None, b"\x00\x01"):
+        raise _reject(head, ErrorCode.BAD_REQUEST, "reply origin bytes other than 0 (local) and 1 (upstream)")
+    return bytes(origins)
+
+
+class GetReplyLengths(tuple):
+    """A GET reply's length table, one u32 per item; ``origins`` is its WANT_ORIGIN byte array, or None."""
+
+    origins: bytes | None = None
 
 
 def _decode_locations(meta: bytes, offset: int) -> tuple:
@@ -227,12 +260,15 @@ def _decode_locations(meta: bytes, offset: int) -> tuple:
 
 def _meta_get_reply(head: FrameHead, meta: bytes, limits: Limits):
     _check_count(head, limits)
-    if len(meta) != head.count * 4:
+    want_origin = bool(head.flags & FLAG_WANT_ORIGIN)
+    if len(meta) != head.count * (5 if want_origin else 4):
         raise _reject(head, ErrorCode.BAD_REQUEST, f"GET reply length table of {len(meta)} bytes for "
-                      f"{head.count} items")
-    lengths = struct.unpack(f"<{head.count}I", meta)
+                      f"{head.count} items" + (" with origins" if want_origin else ""))
+    lengths = GetReplyLengths(struct.unpack(f"<{head.count}I", meta[:head.count * 4]))
     if sum(n for n in lengths if n != DEFERRED_LENGTH) != head.payload_len:
         raise _reject(head, ErrorCode.BAD_REQUEST, "GET reply lengths do not add up to its payload")
+    if want_origin:
+        lengths.origins = _check_origins(head, meta[head.count * 4:])
     return lengths
 
 
@@ -276,7 +312,7 @@ def _build_get_reply(head: FrameHead, lengths, payload: memoryview) -> m.GetRepl
             continue
         blocks.append(payload[pos:pos + length] if length else None)
         pos += length
-    return m.GetReply(head.request_id, tuple(blocks))
+    return m.GetReply(head.request_id, tuple(blocks), origins=getattr(lengths, "origins", None))
 
 
 # op -> (meta check, message builder(head, checked meta, payload view))
@@ -284,11 +320,13 @@ Decoder = tuple[Callable[[FrameHead, bytes, Limits], Any], Callable[[FrameHead, 
 
 REQUEST_DECODERS: dict[int, Decoder] = {
     Op.HELLO: (_meta_hello, lambda h, p, _: m.Hello(h.request_id, p[0], p[1])),
-    Op.LOOKUP: (_meta_keys, lambda h, p, _: m.Lookup(h.request_id, p[1], bool(h.flags & FLAG_WANT_LOCATIONS), p[0])),
-    Op.GET: (_meta_keys, lambda h, p, _: m.Get(h.request_id, p[1], p[0], bool(h.flags & FLAG_READER_VERIFIES))),
+    Op.LOOKUP: (_meta_keys, lambda h, p, _: m.Lookup(h.request_id, p[1], bool(h.flags & FLAG_WANT_LOCATIONS), p[0],
+                                                     want_origin=bool(h.flags & FLAG_WANT_ORIGIN))),
+    Op.GET: (_meta_keys, lambda h, p, _: m.Get(h.request_id, p[1], p[0], bool(h.flags & FLAG_READER_VERIFIES),
+                                               want_origin=bool(h.flags & FLAG_WANT_ORIGIN))),
     Op.PUT: (_meta_put, _build_put),
     Op.DELETE: (_meta_keys, lambda h, p, _: m.Delete(h.request_id, p[1], p[0])),
-    Op.PIN: (_meta_keys, lambda h, p, _: m.Pin(h.request_id, p[1], p[0])),
+    Op.PIN: (_meta_pin, lambda h, p, _: m.Pin(h.request_id, p[1], p[0], p[2])),
     Op.UNPIN: (_meta_keys, lambda h, p, _: m.Unpin(h.request_id, p[1], p[0])),
     Op.FLUSH: (_meta_empty, lambda h, p, _: m.Flush(h.request_id)),
     Op.STATS: (_meta_empty, lambda h, p, _: m.Stats(h.request_id)),
@@ -297,7 +335,7 @@ REQUEST_DECODERS: dict[int, Decoder] = {
 
 REPLY_DECODERS: dict[int, Decoder] = {
     Op.HELLO: (_meta_json, lambda h, p, _: m.HelloReply(h.request_id, p)),
-    Op.LOOKUP: (_meta_lookup_reply, lambda h, p, _: m.LookupReply(h.request_id, p[0], p[1])),
+    Op.LOOKUP: (_meta_lookup_reply, lambda h, p, _: m.LookupReply(h.request_id, p[0], p[1], origins=p[2])),
     Op.GET: (_meta_get_reply, _build_get_reply),
     Op.PUT: (_meta_put_reply, lambda h, p, _: m.PutReply(h.request_id, p)),
     Op.DELETE: (_meta_bools, lambda h, p, _: m.DeleteReply(h.request_id, p)),
@@ -308,3 +346,5 @@ REPLY_DECODERS: dict[int, Decoder] = {
     Op.PING: (_meta_ping, lambda h, p, _: m.PingReply(h.request_id, p)),
     Op.ERROR: (_meta_error, lambda h, p, _: m.ErrorReply(h.request_id, h.status, p)),
 }
+REQUEST_DECODERS.update(nixl_frames.REQUEST_DECODERS)  # NIXL_METADATA, NIXL_GET: kvtier.wire.nixl_frames
+REPLY_DECODERS.update(nixl_frames.REPLY_DECODERS)

@@ -3,7 +3,8 @@
 Writes are gathered: every buffer goes out with ``sendmsg`` (header and payload
 views, no joining copy). Reads feed a sans-IO :class:`~kvtier.wire.connection.Connection`:
 a pending payload is received straight into its buffer (``recv_into``), everything
-else in chunks for the parser."""
+else in chunks for the parser; a payload scattered over several buffers with
+``recvmsg_into`` (:mod:`~kvtier.wire.payload_pieces`)."""
 from __future__ import annotations
 
 import socket
@@ -33,12 +34,13 @@ RECV_CHUNK_BYTES = 64 << 10  # frame headers and small frames (payloads land in 
 
 
 def receive_some(sock: socket.socket, conn) -> None:
-    """One blocking receive into ``conn``; the end of the stream is fed to it as ``b""``."""
-    view = conn.payload_view()
-    if view is None:
+    """One blocking receive into ``conn``; the end of the stream is fed to it as ``b""``.
+    A payload scattered over several buffers is received with ``recvmsg_into``."""
+    views = conn.payload_views()
+    if views is None:
         conn.receive_data(sock.recv(RECV_CHUNK_BYTES))
         return
-    n = sock.recv_into(view)
+    n = sock.recv_into(views[0]) if len(views) == 1 else sock.recvmsg_into(views)[0]
     if n:
         conn.payload_received(n)
     else:

@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass
 
 from kvtier.wire.events import HELLO_META_BYTES_MAX, ErrorCode, Op, ProtocolError
-from kvtier.wire.frames import FLAG_WANT_LOCATIONS, FrameHead
+from kvtier.wire.frames import FLAG_WANT_LOCATIONS, FLAG_WANT_ORIGIN, FrameHead
 
 
 class Role(enum.Enum):
@@ -130,7 +130,7 @@ def check_before_hello(head: FrameHead) -> None:
 
 
 # -- the requests a client awaits replies to --------------------------------
-ITEM_REPLY_OPS = frozenset({Op.GET, Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN})  # one reply item per request item
+ITEM_REPLY_OPS = frozenset({Op.GET, Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN, Op.NIXL_GET})  # one reply item per request item
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,7 @@ class SentRequest:
     op: Op
     count: int  # items in the request
     want_locations: bool = False  # LOOKUP: the reply carries one location per key
+    want_origin: bool = False  # GET, LOOKUP: the reply carries origin bytes
 
 
 class OutstandingRequests:
@@ -162,7 +163,8 @@ class OutstandingRequests:
     def record(self, request_id: int, op: Op, count: int, flags: int) -> None:
         if request_id in self._sent:
             raise ValueError(f"request id {request_id} is already awaiting its reply")
-        self._sent[request_id] = SentRequest(Op(op), count, bool(flags & FLAG_WANT_LOCATIONS))
+        self._sent[request_id] = SentRequest(Op(op), count, bool(flags & FLAG_WANT_LOCATIONS),
+                                             bool(flags & FLAG_WANT_ORIGIN))
 
     def answer(self, head: FrameHead) -> SentRequest | None:
         """The request this reply header answers, taken off the books; None for a
@@ -200,6 +202,10 @@ def check_reply_meta(sent: SentRequest, head: FrameHead, parsed) -> None:
 
 def _check_items(head: FrameHead, sent: SentRequest) -> None:
     rid = head.request_id
+    if sent.op in (Op.GET, Op.LOOKUP) and bool(head.flags & FLAG_WANT_ORIGIN) != sent.want_origin:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{sent.op.name} reply for request {rid} "
+                            f"{'carries' if sent.want_origin is False else 'lacks'} the origins the request "
+                            f"{'did not ask for' if sent.want_origin is False else 'asked for'}", rid)
     if sent.op is Op.LOOKUP:
         want = bool(head.flags & FLAG_WANT_LOCATIONS)
         if want != sent.want_locations:

@@ -15,7 +15,9 @@ import numpy as np
 from kvtier.wire import events as m
 from kvtier.wire.events import Op
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_WANT_LOCATIONS,
-                                LOCATION, LOCATION_PRESENT, LOCATION_RECORD, LOCATION_SEALED, PUT_ITEM, U16, U32)
+                                FLAG_WANT_ORIGIN, LOCATION, LOCATION_PRESENT, LOCATION_RECORD, LOCATION_SEALED, PUT_ITEM, U16, U32)
+from kvtier.wire.frames import FLAG_PIN_TTL
+from kvtier.wire import nixl_frames
 
 _KEYS_OPS = {m.Lookup: Op.LOOKUP, m.Get: Op.GET, m.Delete: Op.DELETE, m.Pin: Op.PIN, m.Unpin: Op.UNPIN}
 _BOOLS_REPLY_OPS = {m.DeleteReply: Op.DELETE, m.PinReply: Op.PIN, m.UnpinReply: Op.UNPIN}
@@ -56,6 +58,14 @@ def _keys_meta(keys, ns_id) -> tuple[int, bytes]:
     return flag, prefix + joined
 
 
+def _pin_ttl_meta(meta: bytes, flags: int, ttl_ms) -> bytes:
+    """A soft PIN's meta: the u32 ttl_ms goes after the namespace id, before the keys."""
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or not 1 <= ttl_ms <= m.PIN_TTL_MS_MAX:
+        raise ValueError(f"a PIN's ttl_ms must be an int in 1..{m.PIN_TTL_MS_MAX}, got {ttl_ms!r}")
+    ns_bytes = m.KEY_SIZE if flags & FLAG_HAS_NS else 0
+    return meta[:ns_bytes] + U32.pack(ttl_ms) + meta[ns_bytes:]
+
+
 def _json_bytes(doc) -> bytes:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
@@ -73,6 +83,11 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
             flags |= FLAG_WANT_LOCATIONS
         if t is m.Get and msg.reader_verifies:
             flags |= FLAG_READER_VERIFIES
+        if t in (m.Get, m.Lookup) and msg.want_origin:
+            flags |= FLAG_WANT_ORIGIN
+        if t is m.Pin and msg.ttl_ms is not None:
+            flags |= FLAG_PIN_TTL
+            meta = _pin_ttl_meta(meta, flags, msg.ttl_ms)
         return _KEYS_OPS[t], flags, rid, len(msg.keys), meta, [], 0
     if t is m.Put:
         if len(msg.keys) != len(msg.blocks):
@@ -86,6 +101,8 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
         return (Op.FLUSH if t is m.Flush else Op.STATS), 0, rid, 0, b"", [], 0
     if t is m.Ping:
         return Op.PING, 0, rid, 0, bytes(msg.data), [], 0
+    if t in nixl_frames.ENCODERS:  # NIXL_METADATA, NIXL_GET and their replies
+        return nixl_frames.ENCODERS[t](msg)
     return _encode_reply(msg)
 
 
@@ -101,6 +118,16 @@ def _encode_locations(locations) -> tuple[int, bytes]:
     return len(parts), b"".join(parts)
 
 
+def _origins(origins, count: int, what: str) -> tuple[int, bytes]:
+    """``(flags, bytes)`` of a reply's WANT_ORIGIN array: one byte per item, or nothing."""
+    if origins is None:
+        return 0, b""
+    origins = bytes(origins)
+    if len(origins) != count:
+        raise ValueError(f"{len(origins)} origin bytes for {count} {what}")
+    return FLAG_WANT_ORIGIN, origins
+
+
 def _encode_reply(msg):
     t = type(msg)
     rid = msg.request_id
@@ -110,15 +137,19 @@ def _encode_reply(msg):
     if t is m.StatsReply:
         return Op.STATS | R, 0, rid, 0, _json_bytes(dict(msg.stats)), [], 0
     if t is m.LookupReply:
+        origin_flag, origins = _origins(msg.origins, msg.leading, "LOOKUP reply leading keys")
         if msg.locations is None:
-            return Op.LOOKUP | R, 0, rid, 0, U32.pack(msg.leading), [], 0
+            return Op.LOOKUP | R, origin_flag, rid, 0, U32.pack(msg.leading) + origins, [], 0
         count, records = _encode_locations(msg.locations)
-        return Op.LOOKUP | R, FLAG_WANT_LOCATIONS, rid, count, U32.pack(msg.leading) + records, [], 0
+        return (Op.LOOKUP | R, FLAG_WANT_LOCATIONS | origin_flag, rid, count, U32.pack(msg.leading) + records + origins,
+                [], 0)
     if t is m.GetReply:
         views = [b if b is None or b is m.DEFERRED else memoryview(b).cast("B") for b in msg.blocks]
         meta = struct.pack(f"<{len(views)}I", *(0 if v is None else DEFERRED_LENGTH if v is m.DEFERRED else v.nbytes
                                                   for v in views))
-        return Op.GET | R, 0, rid, len(views), meta, [v for v in views if isinstance(v, memoryview) and v.nbytes], 0
+        origin_flag, origins = _origins(msg.origins, len(views), "GET reply items")
+        return (Op.GET | R, origin_flag, rid, len(views), meta + origins,
+                [v for v in views if isinstance(v, memoryview) and v.nbytes], 0)
     if t is m.PutReply:
         return Op.PUT | R, 0, rid, len(msg.seqs), struct.pack(f"<{len(msg.seqs)}Q", *msg.seqs), [], 0
     if t in _BOOLS_REPLY_OPS:

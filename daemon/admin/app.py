@@ -8,10 +8,16 @@ GET      /v1/blocks/{key}             present?, size, codec, region, pinned, las
 GET      /v1/blocks/{key}/data        the stored block (64-byte header + payload), as stored
 PUT      /v1/blocks/{key}/data        store a block (body: header + payload; ?durable=true)
 POST     /v1/lookup                   how many leading keys of a chain are present
+GET      /v1/keys                     the stored keys, a page at a time (?cursor=&limit=)
 POST     /v1/pin, /v1/unpin           keys, or namespace + tokens
 POST     /v1/evict                    keys, a namespace, or all
 GET      /v1/config                   effective config, secrets redacted
 GET      /v1/devices                  device ids (superblocks) and local paths, stripe order
+GET      /v1/kv-events                KV-events endpoints and publisher statistics (404 when off)
+GET      /v1/kv-events/snapshot       every stored key and the event sequence number it matches
+POST     /v1/preplace                 soft-pin a prefix on chosen edges or all (--preplace-edges; 404 off)
+POST     /v1/preplace/push            one push round of the hot prefixes now
+GET      /v1/preplace                 the edges, settings and pre-placement figures
 GET      /metrics                     Prometheus text exposition (or OpenMetrics)
 GET      /openapi.json, /docs, /redoc OpenAPI document, Swagger UI, ReDoc (auth like the rest)
 =======  ===========================  =================================================
@@ -29,6 +35,9 @@ from kvtier.daemon.admin.auth import make_auth_dependency
 from kvtier.daemon.admin.blocks import blocks_router
 from kvtier.daemon.admin.docs import docs_router
 from kvtier.daemon.admin.errors import install_error_handlers
+from kvtier.daemon.admin.keys import keys_router
+from kvtier.daemon.admin.kv_events_routes import kv_events_router
+from kvtier.daemon.admin.preplace_routes import preplace_router
 from kvtier.daemon.admin.routes import node_router
 from kvtier.daemon.admin.view import AdminStateView
 
@@ -38,7 +47,7 @@ def build_app(view: AdminStateView) -> FastAPI:
     app = FastAPI(title="kvtierd admin API", version="1", openapi_url=None, docs_url=None, redoc_url=None,
                   description="Health, statistics, per-block info, pin/unpin, evict, config and "
                               "Prometheus metrics of one kvtierd storage node.")
-    install_error_handlers(app)
+    install_error_handlers(app, on_internal_error=lambda reason: view.engine.fail(reason))
     auth = [Depends(make_auth_dependency(view))]
 
     def require_ready() -> None:
@@ -47,5 +56,8 @@ def build_app(view: AdminStateView) -> FastAPI:
 
     app.include_router(node_router(view, auth))
     app.include_router(blocks_router(view, auth + [Depends(require_ready)]))
+    app.include_router(keys_router(view, auth + [Depends(require_ready)]))
+    app.include_router(kv_events_router(view, auth + [Depends(require_ready)]))
+    app.include_router(preplace_router(view, auth + [Depends(require_ready)]))
     app.include_router(docs_router(app, auth))  # /openapi.json, /docs, /redoc: the token too
     return app

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvtier.common.blockformat import BlockFormatError, verify_block
 from kvtier.daemon.admin.errors import error_response
-from kvtier.daemon.admin.models import EvictRequest, KeySelection, key_from_hex
+from kvtier.daemon.admin.models import EvictRequest, KeySelection, PinSelection, key_from_hex
 from kvtier.daemon.admin.view import AdminStateView
 from kvtier.common.codec_ids import codec_name
 
@@ -92,15 +92,17 @@ def blocks_router(view: AdminStateView, dependencies: list) -> APIRouter:
 
     def pin_or_unpin(selection: KeySelection, pin: bool) -> dict:
         keys = selection.resolve()
-        fn = view.engine.pin_many if pin else view.engine.unpin_many
-        done = fn(keys) if keys else []
+        ttl_s = getattr(selection, "ttl_s", None)
+        done = (view.engine.pin_many(keys, ttl_s=ttl_s) if pin else view.engine.unpin_many(keys)) if keys else []
         missing = [k.hex() for k, ok in zip(keys, done) if not ok]
         return {"requested": len(keys), "pinned" if pin else "unpinned": len(keys) - len(missing),
                 "missing": missing}
 
     @router.post("/v1/pin")
-    def pin(selection: KeySelection) -> dict:
-        """Pin blocks: eviction reinserts them instead of dropping them. Absent keys come back in 'missing'."""
+    def pin(selection: PinSelection) -> dict:
+        """Pin blocks: eviction reinserts them instead of dropping them. With 'ttl_s' a soft pin that expires
+        by itself (memory only). Past the pinned-bytes limit: 507, nothing pinned. Absent keys come back in
+        'missing'."""
         return pin_or_unpin(selection, True)
 
     @router.post("/v1/unpin")

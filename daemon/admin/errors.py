@@ -7,13 +7,14 @@ that names the problem.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.daemon.engine.errors import DeviceError, EngineError, NoSpaceError
+from kvtier.daemon.engine.errors import DeviceError, EngineError, EngineFailedError, NoSpaceError
 
 log = logging.getLogger("kvtier.admin")
 
@@ -36,7 +37,8 @@ def validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_internal_error: Callable[[str], None] | None = None) -> None:
+    """``on_internal_error``: told of an unexpected exception (the daemon fails its engine closed)."""
     @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException is a subclass
     async def _http_error(request: Request, exc: StarletteHTTPException):
         response = error_response(exc.status_code, str(exc.detail))
@@ -52,6 +54,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _no_space(request: Request, exc: NoSpaceError):
         return error_response(507, str(exc))
 
+    @app.exception_handler(EngineFailedError)
+    async def _failed(request: Request, exc: EngineFailedError):
+        return error_response(503, str(exc))
+
     @app.exception_handler(DeviceError)
     async def _device_error(request: Request, exc: DeviceError):
         log.error("admin request %s %s failed: %s", request.method, request.url.path, exc)
@@ -65,4 +71,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("admin request %s %s crashed", request.method, request.url.path)
+        if on_internal_error is not None:
+            on_internal_error(f"{type(exc).__name__} in admin {request.method} {request.url.path}: {exc}")
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -12,8 +12,9 @@ The three figures article 000 says to watch:
 
 * prefix hit ratio   ``kvtier_lookup_prefix_hit_ratio`` (and the two counters under it)
 * allocation failure rate  ``rate(kvtier_allocation_failures_total[5m])``
-* fetch latency      ``kvtier_op_duration_seconds{op="get"}`` (upstream fetch latency
-  joins it once the cold tier exists)
+* fetch latency      ``kvtier_op_duration_seconds{op="get"}``, and with ``--upstream``
+  ``kvtier_upstream_fetch_duration_seconds`` (:mod:`.upstream_metrics`, with the prefix
+  hit ratio per tier, local vs upstream)
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from typing import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.daemon.admin.kv_events_metrics import kv_events_families
+from kvtier.daemon.admin.preplace_metrics import preplace_families
 from kvtier.daemon.admin.view import AdminStateView
 from kvtier.daemon.admin.stats import derived_figures, ratio
+from kvtier.daemon.admin.upstream_metrics import upstream_families
 
 WARM_TIER = "warm"  # the daemon's own flash; the hot tier lives in the client, cold upstream
 
@@ -36,6 +40,15 @@ _ENGINE_COUNTERS = (
     ("alloc_failures", "kvtier_allocation_failures", "PUTs refused for lack of a reclaimable region."),
     ("device_errors", "kvtier_device_errors", "Device read/write/sync failures."),
     ("corrupt_reads", "kvtier_corrupt_reads", "Reads whose header or CRC did not verify (served as misses)."),
+    ("pins_refused", "kvtier_pins_refused", "PINs refused at the pinned-bytes limit (pinned_fraction_max)."),
+    ("soft_pins_expired", "kvtier_soft_pins_expired", "Soft pins (PIN with a TTL) that ran out."),
+    ("clean_region_waits", "kvtier_clean_region_waits", "Writers that found the clean-region pool empty and waited."),
+    ("clean_region_wait_seconds", "kvtier_clean_region_wait_seconds", "Seconds writers waited for a clean region."),
+    ("reclaims", "kvtier_reclaims", "Regions the background reclaim worker returned to the clean pool."),
+    ("reclaim_errors", "kvtier_reclaim_errors", "Reclaims given up on a device error (region back in the policy, or retired)."),
+    ("regions_retired", "kvtier_regions_retired", "Regions never reused until a restart after device errors in their reclaim."),
+    ("group_commits", "kvtier_group_commits", "Durability commits (one write pass and fdatasync for every caller waiting)."),
+    ("durable_commit_waiters", "kvtier_durable_commit_waiters", "Durable puts, flushes and reclaims acknowledged by a commit."),
 )
 # (engine statistics field, metric name, help) — current values
 _ENGINE_GAUGES = (
@@ -43,8 +56,12 @@ _ENGINE_GAUGES = (
     ("bytes_stored", "kvtier_stored_bytes", "Bytes of blocks (header + payload) in the index."),
     ("regions_total", "kvtier_regions", "Regions in the store."),
     ("regions_free", "kvtier_regions_free", "Clean regions ready for writing."),
+    ("clean_regions_target", "kvtier_clean_regions_target", "Clean regions the reclaim worker keeps ready."),
     ("regions_sealed", "kvtier_regions_sealed", "Sealed (immutable, readable) regions."),
     ("index_bytes", "kvtier_index_bytes", "Memory the in-memory index uses."),
+    ("pinned_bytes", "kvtier_pinned_bytes", "Bytes of pinned blocks, hard and soft pins."),
+    ("soft_pinned_bytes", "kvtier_soft_pinned_bytes", "Bytes of blocks held by soft pins (PIN with a TTL)."),
+    ("pinned_bytes_max", "kvtier_pinned_bytes_max", "The pinned-bytes limit: pinned_fraction_max of the capacity."),
     ("recovered_blocks", "kvtier_recovered_blocks", "Blocks the last start recovered from region summaries."),
     ("recovery_seconds", "kvtier_recovery_duration_seconds", "Time the last start spent rebuilding the index."),
 )
@@ -67,6 +84,9 @@ class KvtierCollector(Collector):
         yield from self._tiers(engine, server)
         yield from self._server(server)
         yield from _cluster_families(self._view.cluster_statistics())
+        yield from preplace_families(self._view.preplace_statistics())
+        yield from upstream_families(self._view.upstream_statistics())
+        yield from kv_events_families(self._view.kv_events_statistics())
 
     def _process(self, engine: dict) -> Iterable[Metric]:
         yield GaugeMetricFamily("kvtier_ready", "1 once devices are open and the index is recovered.",
@@ -133,6 +153,9 @@ def _server_families(server: dict) -> Iterable[Metric]:
                               value=server.get("bytes_in", 0))
     yield CounterMetricFamily("kvtier_network_sent_bytes", "Bytes sent on the data port.",
                               value=server.get("bytes_out", 0))
+    yield CounterMetricFamily("kvtier_cluster_repair_received_bytes",
+                              "Bytes PUT here by kvtier cluster repair (re-replication after a join or a lost copy).",
+                              value=server.get("repair_bytes_in", 0))
     yield from _buffer_families(server.get("buffers") or {})
     requests = CounterMetricFamily("kvtier_requests", "Data-port requests served, per op.", labels=["op"])
     for op, count in sorted((server.get("requests") or {}).items()):

@@ -14,6 +14,7 @@ from kvtier.common.keys import KEY_SIZE_BYTES, KV_DTYPES, KVLayout, Namespace
 
 KEYS_PER_REQUEST_MAX = 65536  # one pin/evict call stays a bounded batch (1 MiB of keys)
 TOKENS_PER_REQUEST_MAX = 4 << 20  # a 4M-token prefix is far past any context window
+PIN_TTL_S_MAX = (2**32 - 1) / 1000  # a soft pin's TTL, as the data protocol's u32 of milliseconds allows
 NAMESPACE_FIELD_CHARS_MAX = 1024  # model names and salts are short; bound the hashing work
 
 KeyHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{%d}$" % (2 * KEY_SIZE_BYTES))]
@@ -85,6 +86,13 @@ class KeySelection(_Strict):
             return [bytes.fromhex(k) for k in self.keys]
         assert self.namespace is not None and self.tokens is not None
         return self.namespace.to_namespace().keys(self.tokens)
+
+
+class PinSelection(KeySelection):
+    """A :class:`KeySelection` to pin; ``ttl_s``: a soft pin that expires by itself after that many
+    seconds (memory only, gone at a restart); omitted: a hard pin, kept until unpinned."""
+
+    ttl_s: float | None = Field(default=None, gt=0, le=PIN_TTL_S_MAX)
 
 
 class EvictRequest(_Strict):

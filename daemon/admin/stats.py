@@ -7,7 +7,9 @@
      "server":     the data server's statistics() as a dict,
      "tiers":      {"warm": {"hits", "misses", "hit_ratio", "read_bytes", "written_bytes"}},
      "lookup":     {"keys_asked", "keys_hit", "prefix_hit_ratio"},
-     "namespaces": {ns_id_hex: {"hits", "misses", "hit_ratio"}}}
+     "namespaces": {ns_id_hex: {"hits", "misses", "hit_ratio"}},
+     "upstream":   with --upstream: the pull-through's statistics and its prefix_hit_ratio
+                   {"local", "upstream"}; null without one}
 
 The derived figures (ratios, per-tier view) come from the same snapshots the
 Prometheus collector reads, through :func:`derived_figures`.
@@ -74,6 +76,15 @@ def _jsonable(value):
     return value
 
 
+def upstream_section(upstream: dict) -> dict | None:
+    """The pull-through's snapshot with its prefix hit ratio per tier; None without an upstream."""
+    if not upstream:
+        return None
+    asked = upstream["prefix_blocks_local"] + upstream["prefix_blocks_upstream"] + upstream["prefix_blocks_missed"]
+    return dict(upstream, prefix_hit_ratio={"local": ratio(upstream["prefix_blocks_local"], asked),
+                                            "upstream": ratio(upstream["prefix_blocks_upstream"], asked)})
+
+
 def stats_document(view: AdminStateView) -> dict:
     engine = view.engine_statistics()
     server = view.server_statistics()
@@ -93,4 +104,7 @@ def stats_document(view: AdminStateView) -> dict:
                    "prefix_hit_ratio": ratio(d.lookup_keys_hit, d.lookup_keys_asked)},
         "namespaces": {ns: {"hits": f.hits, "misses": f.misses, "hit_ratio": ratio(f.hits, f.hits + f.misses)}
                        for ns, f in sorted(d.namespaces.items())},
+        "upstream": upstream_section(view.upstream_statistics()),  # pull-through (--upstream)
+        "cluster": view.cluster_statistics() or None,  # membership (--cluster): state, members seen, lease
+        "preplace": view.preplace_statistics() or None,  # pre-placement (--preplace-edges): per-edge figures
     }

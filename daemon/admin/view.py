@@ -92,5 +92,28 @@ class AdminStateView:
         member = getattr(self._state, "cluster", None)  # set by the entry point once registered
         return {} if member is None else _as_dict(member.statistics())
 
+    def kv_events(self):
+        """The daemon's :class:`kvtier.daemon.events.service.KVEvents`, or None (off)."""
+        return getattr(self._state, "kv_events", None)
+
+    def kv_events_statistics(self) -> dict:
+        """The KV-events publisher's snapshot; empty without --kv-events-endpoint."""
+        events = self.kv_events()
+        return {} if events is None else _as_dict(events.statistics())
+
+    def preplacer(self):
+        """The daemon's :class:`kvtier.daemon.preplace.pusher.PrePlacer`, or None (no --preplace-edges)."""
+        return getattr(self._state, "preplacer", None)
+
+    def preplace_statistics(self) -> dict:
+        """Pre-placement's snapshot; empty without --preplace-edges."""
+        placer = self.preplacer()
+        return {} if placer is None else _as_dict(placer.statistics())
+
+    def upstream_statistics(self) -> dict:
+        """The pull-through's snapshot (``--upstream``); empty without an upstream."""
+        upstream = getattr(self._state, "upstream", None)
+        return {} if upstream is None else _as_dict(upstream.statistics())
+
     def redacted_config(self) -> dict:
         return _as_dict(self._state.config.redacted())

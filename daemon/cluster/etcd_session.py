@@ -87,6 +87,12 @@ class EtcdSession:
     def revoke(self, lease_id: int) -> None:
         self._post("/kv/lease/revoke", {"ID": lease_id})
 
+    def list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Every ``(key, value)`` under ``prefix`` now (one range request)."""
+        out = self._post("/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
+        return [(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")))
+                for kv in out.get("kvs", [])]
+
     def count_prefix(self, prefix: str) -> int:
         """Keys under ``prefix`` now (one range request, counting only)."""
         out = self._post("/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True})

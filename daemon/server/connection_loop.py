@@ -22,6 +22,7 @@ import select
 import socket
 import time
 
+from kvtier.common.cluster_url import REPAIR_CLIENT_NAME
 from kvtier.daemon.server.closing import linger, send_error_quietly
 from kvtier.daemon.server.handler import RequestHandler
 from kvtier.daemon.server.session import Session
@@ -79,6 +80,7 @@ class ConnectionLoop:
             self._recorder.error(p.ErrorCode.INTERNAL.name)
         finally:
             self._handler.abort_in_place(session)  # a PUT payload cut off mid-way: nothing of it is stored
+            self._handler.connection_closed(session)  # its NIXL peer, if it loaded one
             self._buffers.reply_sent(session)  # a buffer lent to a reply that failed to go out
             sock.close()
             self._recorder.connection_closed()
@@ -134,6 +136,8 @@ class ConnectionLoop:
                 sock.settimeout(self._frame_timeout_s)
             op = type(event).__name__.lower() if not isinstance(event, p.Rejected) else "rejected"
             recorder.request_done(op, time.perf_counter() - started, conn.bytes_received - received_before, sent)
+            if op == "put" and session.client_name == REPAIR_CLIENT_NAME:
+                recorder.repair_received(conn.bytes_received - received_before)
             received_before = conn.bytes_received  # pipelined frames already buffered count for the next one
             if close_after:
                 log.warning("event=connection_closed_by_server peer=%s reason=%s", session.peer,

@@ -65,6 +65,28 @@ class DataServer:
         self._accept_thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
 
+    def add_feature(self, name: str) -> None:
+        """Name a capability in HELLO's ``features`` (e.g. ``kv_events``); before :meth:`start`."""
+        self._handler.extra_features.append(name)
+
+    def attach_nixl(self, service) -> None:
+        """Answer NIXL_METADATA / NIXL_GET with ``service`` (kvtier.daemon.nixl) and list "nixl" in HELLO's
+        ``features``; before :meth:`start`."""
+        from kvtier.wire.events import FEATURE_NIXL
+        self._handler.attach_nixl(service)
+        self.add_feature(FEATURE_NIXL)
+
+    def set_upstream(self, pull_through) -> None:
+        """Answer LOOKUP and GET misses from an upstream (``kvtier.daemon.upstream.PullThrough``);
+        before :meth:`start`. HELLO then lists ``upstream`` and replies carry origins when asked."""
+        self._handler.upstream = pull_through
+        self.add_feature(p.FEATURE_UPSTREAM)
+
+    def set_chain_observer(self, observe) -> None:
+        """Hand ``observe(ns_id, packed keys)`` every LOOKUP and GET chain (pre-placement's
+        popularity counts; it must be cheap: it runs on the request's thread); before :meth:`start`."""
+        self._handler.observe_chain = observe
+
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> tuple[str, int]:
         """Bind, listen and start accepting; returns the real (host, port)."""

@@ -2,8 +2,9 @@
 
 No sockets here: :class:`RequestHandler.handle` takes a request message and a
 per-connection :class:`.session.Session` and returns ``(reply, close_after)``.
-Engine failures become error replies naming the problem; they never escape to
-the connection loop as anything but a logged internal error. GET is answered
+Engine failures become error replies naming the problem; an unexpected exception
+(a bug) is a logged INTERNAL reply and fails the engine closed (``Engine.fail``: the
+daemon exits for its supervisor to restart it, recovering from flash). GET is answered
 by :mod:`.get_reply`; the buffers requests borrow are lent by
 :mod:`.request_buffers`.
 """
@@ -17,19 +18,21 @@ import numpy as np
 
 from kvtier.common.blockformat import BlockFormatError, decode_header
 from kvtier.common.tokens import token_matches
-from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, NoSpaceError
+from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, NoSpaceError
 from kvtier.daemon.server.arenas import ReplyArenas
 from kvtier.daemon.server.get_reply import GetReplies, packed_keys
 from kvtier.daemon.server.request_buffers import RequestBuffers, TransientBudgetSpent
 from kvtier.daemon.server.session import Session
+from kvtier.daemon.upstream.client import CLIENT_NAME as UPSTREAM_CLIENT_NAME
 from kvtier.wire import connection as p
 from kvtier.wire.writers import location_records
+from kvtier.wire.events import NixlGet, NixlMetadata
 
 log = logging.getLogger("kvtier.daemon.server")
 
 # engine exceptions other than NoSpace, each with the code the client gets
 ENGINE_ERROR_CODES = ((BlockTooLargeError, p.ErrorCode.TOO_LARGE), (DeviceError, p.ErrorCode.DEVICE_ERROR),
-                      (EngineError, p.ErrorCode.BAD_REQUEST))
+                      (EngineFailedError, p.ErrorCode.SHUTTING_DOWN), (EngineError, p.ErrorCode.BAD_REQUEST))
 
 
 def geometry_doc(geometry) -> dict:
@@ -46,12 +49,17 @@ class RequestHandler:
         self._region_size_bytes = region_size_bytes
         self._limits = limits
         self._server_statistics = server_statistics
+        self.extra_features: list[str] = []  # HELLO features the daemon adds (DataServer.add_feature)
+        self.upstream = None  # a kvtier.daemon.upstream.PullThrough with --upstream (DataServer.set_upstream)
+        self.nixl = None  # a kvtier.daemon.nixl.service.NixlService with --nixl (attach_nixl)
+        self.observe_chain = None  # (ns_id, packed keys) of each LOOKUP/GET: pre-placement's popularity counts
         self.buffers = RequestBuffers(arenas if arenas is not None else ReplyArenas())
         self._gets = GetReplies(engine, self.buffers, limits, stats)
         self._dispatch = {
             p.Hello: self._hello, p.Lookup: self._lookup, p.Get: self._get, p.Put: self._put,
             p.Delete: self._delete, p.Pin: self._pin, p.Unpin: self._unpin, p.Flush: self._flush,
             p.Stats: self._stats_reply, p.Ping: self._ping,
+            NixlMetadata: self._nixl, NixlGet: self._nixl,
         }
 
     def handle(self, msg, session: Session):
@@ -85,15 +93,19 @@ class RequestHandler:
             code = next(code for kind, code in ENGINE_ERROR_CODES if isinstance(exc, kind))
             self._stats.error(code.name)
             return p.ErrorReply(msg.request_id, code, str(exc)), False
-        except Exception as exc:  # a bug or a device failure: this request fails, the daemon serves on
+        except Exception as exc:  # a bug: the engine's state may be half updated, so it fails closed (the daemon exits)
             log.exception("event=internal_error peer=%s op=%s", session.peer, type(msg).__name__)
             self._stats.error(p.ErrorCode.INTERNAL.name)
-            return p.ErrorReply(msg.request_id, p.ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"), False
+            self._engine.fail(f"{type(exc).__name__} in {type(msg).__name__}: {exc}")
+            return p.ErrorReply(msg.request_id, p.ErrorCode.INTERNAL,
+                                f"internal error: {type(exc).__name__}: {exc}; kvtierd fails closed and restarts to "
+                                f"recover from flash"), True
 
     def hello_info(self) -> dict:
         return {
             "server": "kvtierd", "protocol_version": p.PROTOCOL_VERSION,
-            "auth_required": self._token() is not None, "features": [p.FEATURE_GET_READER_VERIFIES],
+            "auth_required": self._token() is not None,
+            "features": [p.FEATURE_GET_READER_VERIFIES, p.FEATURE_PIN_TTL, *self.extra_features],
             "geometry": geometry_doc(self._engine.geometry),
             "region_size_bytes": self._region_size_bytes,
             "limits": {"batch_count_max": self._limits.batch_count_max, "meta_bytes_max": self._limits.meta_bytes_max,
@@ -118,22 +130,39 @@ class RequestHandler:
         locations come back as columns that are encoded in one pass: nothing
         is done per key in Python."""
         keys = packed_keys(msg.keys)
+        if self.observe_chain is not None:
+            self.observe_chain(msg.ns_id, keys)
+        locations = None
         if msg.want_locations:
             rows = self._engine.locate_buffer(keys)
             found = rows["found"]
             leading = int(len(found) if found.all() else np.argmin(found))
             locations = location_records(found, rows["logical_offset"], rows["length"], rows["seq"],
                                                 rows["sealed"])
-            reply = p.LookupReply(msg.request_id, leading, locations)
         else:
             leading = self._engine.lookup_buffer(keys)
-            reply = p.LookupReply(msg.request_id, leading)
         self._stats.lookup(len(msg.keys), leading)
         self._stats.namespace(msg.ns_id, leading, len(msg.keys) - leading)
-        return reply, False
+        if self._pulls_for(session):  # the rest of the chain may be upstream (and the tiers are counted)
+            anywhere, origins = self.upstream.lookup(msg.keys, msg.ns_id, leading)
+        else:
+            anywhere, origins = leading, bytes(leading) if msg.want_origin else None
+        return p.LookupReply(msg.request_id, anywhere, locations, origins=origins if msg.want_origin else None), False
 
     def _get(self, msg: p.Get, session: Session, token):
-        return self._gets.reply(msg, session), False
+        if self.observe_chain is not None:
+            self.observe_chain(msg.ns_id, packed_keys(msg.keys))
+        reply = self._gets.reply(msg, session)
+        if self._pulls_for(session):
+            return self.upstream.fill(msg, reply, self._limits.payload_bytes_max), False
+        if msg.want_origin:
+            return p.GetReply(reply.request_id, reply.blocks, origins=bytes(len(reply.blocks))), False
+        return reply, False
+
+    def _pulls_for(self, session: Session) -> bool:
+        """Whether this session's misses go to the upstream: not for another daemon's upstream
+        client (one hop only), so two daemons that name each other never forward in a loop."""
+        return self.upstream is not None and session.client_name != UPSTREAM_CLIENT_NAME
 
     def payload_in_place(self, session: Session, head, meta) -> memoryview | None:
         """For a PUT frame whose header and meta were read: room in the engine's open region
@@ -191,7 +220,8 @@ class RequestHandler:
         return p.DeleteReply(msg.request_id, tuple(self._engine.delete_many(list(msg.keys)))), False
 
     def _pin(self, msg: p.Pin, session, token):
-        return p.PinReply(msg.request_id, tuple(self._engine.pin_many(list(msg.keys)))), False
+        ttl_s = None if msg.ttl_ms is None else msg.ttl_ms / 1000  # a soft pin (FLAG_PIN_TTL)
+        return p.PinReply(msg.request_id, tuple(self._engine.pin_many(list(msg.keys), ttl_s=ttl_s))), False
 
     def _unpin(self, msg: p.Unpin, session, token):
         return p.UnpinReply(msg.request_id, tuple(self._engine.unpin_many(list(msg.keys)))), False
@@ -204,7 +234,26 @@ class RequestHandler:
         engine_stats = self._engine.statistics()
         doc = {"server": self._server_statistics(), "engine": asdict(engine_stats),
                "buffers": asdict(self.buffers.statistics()), "geometry": geometry_doc(self._engine.geometry)}
+        if self.nixl is not None:
+            doc["nixl"] = self.nixl.statistics()  # the NIXL agent's transfers ({} until a client used it)
         return p.StatsReply(msg.request_id, doc), False
 
     def _ping(self, msg: p.Ping, session, token):
         return p.PingReply(msg.request_id, msg.data), False
+
+    def attach_nixl(self, service) -> None:
+        """Answer NIXL_METADATA / NIXL_GET with ``service`` (GETs read as :meth:`_get` reads them)."""
+        service.bind(self._gets, self._stats)
+        self.nixl = service
+
+    def _nixl(self, msg, session: Session, token):
+        if self.nixl is None:
+            self._stats.error(p.ErrorCode.UNKNOWN_OP.name)
+            return p.ErrorReply(msg.request_id, p.ErrorCode.UNKNOWN_OP,
+                                "this daemon runs no NIXL agent (kvtierd --nixl, HELLO feature 'nixl')"), False
+        return self.nixl.handle(msg, session), False
+
+    def connection_closed(self, session: Session) -> None:
+        """The connection ended: what it held beyond its requests (its NIXL peer) is given back."""
+        if self.nixl is not None:
+            self.nixl.connection_closed(session)

@@ -17,5 +17,6 @@ class Session:
     # GET reply's blocks); given back once the reply is sent
     transient_bytes: int = 0  # this request's buffers outside the arenas (within the daemon-wide budget)
     transient_buffers: list = field(default_factory=list)  # the buffers lent for that room (GET replies)
+    nixl: Any = None  # this connection's NIXL peer (kvtier.daemon.nixl.service.NixlPeer), set by NIXL_METADATA
     put_reservation: Any = None  # the engine's Reservation this request's PUT payload is received into
     # (committed by the handler; aborted by the connection if the request ends any other way)

@@ -47,6 +47,7 @@ class ServerStatistics:
     lookup_keys_asked: int
     lookup_keys_hit: int
     namespaces: Mapping[str, NamespaceCounts]  # ns id hex (or "none"/"other") -> GET+LOOKUP hits/misses
+    repair_bytes_in: int = 0  # PUT bytes from kvtier cluster repair (HELLO client name REPAIR_CLIENT_NAME)
 
     def as_dict(self) -> dict:
         """Plain JSON-able form (the STATS reply)."""
@@ -59,6 +60,7 @@ class ServerStatistics:
                              "count": h.count, "sum_s": h.sum_s} for op, h in self.latency.items()},
             "lookup_keys_asked": self.lookup_keys_asked, "lookup_keys_hit": self.lookup_keys_hit,
             "namespaces": {ns: {"hits": c.hits, "misses": c.misses} for ns, c in self.namespaces.items()},
+            "repair_bytes_in": self.repair_bytes_in,
         }
 
 
@@ -86,6 +88,7 @@ class ServerStatsRecorder:
         self._requests: dict[str, int] = {}
         self._errors: dict[str, int] = {}
         self._bytes_in = self._bytes_out = 0
+        self._repair_bytes_in = 0
         self._latency: dict[str, _Histogram] = {}
         self._lookup_asked = self._lookup_hit = 0
         self._ns: dict[str, list[int]] = {}
@@ -118,6 +121,11 @@ class ServerStatsRecorder:
             self._bytes_in += bytes_in
             self._bytes_out += bytes_out
 
+    def repair_received(self, nbytes: int) -> None:
+        """A PUT from the re-replication client: ``nbytes`` moved here by ``kvtier cluster repair``."""
+        with self._lock:
+            self._repair_bytes_in += nbytes
+
     def error(self, code_name: str) -> None:
         with self._lock:
             self._errors[code_name] = self._errors.get(code_name, 0) + 1
@@ -147,4 +155,5 @@ class ServerStatsRecorder:
                 bytes_in=self._bytes_in, bytes_out=self._bytes_out,
                 latency=MappingProxyType({op: h.snapshot() for op, h in self._latency.items()}),
                 lookup_keys_asked=self._lookup_asked, lookup_keys_hit=self._lookup_hit,
-                namespaces=MappingProxyType({ns: NamespaceCounts(c[0], c[1]) for ns, c in self._ns.items()}))
+                namespaces=MappingProxyType({ns: NamespaceCounts(c[0], c[1]) for ns, c in self._ns.items()}),
+                repair_bytes_in=self._repair_bytes_in)

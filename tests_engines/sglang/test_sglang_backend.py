@@ -215,6 +215,56 @@ def test_backup_skips_the_pages_already_stored(kvtierd):
         backend.close()
 
 
+def test_batch_exists_counts_pages_whose_save_is_in_flight(kvtierd):
+    """A page backed up a moment ago (its PUT still queued) reads as present, so SGLang does
+    not back it up twice; past the queued pages the daemon is asked for the rest."""
+    import threading
+
+    keys = page_keys(fresh_tokens(5))
+    pool = make_host_pool("page_first")
+    backend = attach_backend(make_storage_config(kvtierd.data_addr), pool)
+    gate = threading.Event()
+    try:
+        idx = pool.alloc(5 * PAGE_SIZE)
+        fill_pages(pool, idx, seed=8)
+        assert backend.batch_set_v1(keys[:1], idx[:PAGE_SIZE]) == [True]
+        assert backend.batch_set_v1(keys[3:4], idx[3 * PAGE_SIZE:4 * PAGE_SIZE]) == [True]
+        assert backend.wait_saves_stored(timeout_s=60)
+        backend.cache._saves.submit(0, 0, lambda: gate.wait(60) and 0)  # holds the save worker
+        assert backend.batch_set_v1(keys[1:3], idx[PAGE_SIZE:3 * PAGE_SIZE]) == [True, True]  # queued behind it
+        assert backend.cache.lookup_keys(backend.keys_of(keys)) == 1  # the daemon has not got them yet
+        assert backend.batch_exists(keys) == 4  # stored 0, queued 1 and 2, stored 3
+        assert backend.batch_exists(keys[1:3]) == 2
+        assert backend.batch_set_v1(keys, idx) == [True] * 5  # SGLang backs up the whole prefix again
+        assert backend.counters["saved_pages"] == 5  # the queued pages were not sent twice
+        gate.set()
+        assert backend.wait_saves_stored(timeout_s=60)
+        assert backend.batch_exists(keys) == 5
+        assert backend.cache.lookup_keys(backend.keys_of(keys)) == 5
+    finally:
+        gate.set()
+        backend.close()
+
+
+def test_in_flight_saves_count_until_they_finish():
+    from concurrent.futures import Future
+
+    from kvtier.client.engines.sglang.recent_saves import RecentSaves
+
+    recent = RecentSaves()
+    a, b = Future(), Future()
+    recent.add([b"k1", b"k2"], a)
+    recent.add([b"k2", b"k3"], b)
+    assert recent.in_flight_from([b"k0", b"k1", b"k2", b"k3", b"k4"], 1) == 3
+    assert recent.in_flight_from([b"k0", b"k1"], 0) == 0
+    a.set_result(2)
+    assert recent.in_flight_from([b"k1", b"k2", b"k3"], 0) == 0  # k1's save is done
+    assert recent.in_flight_from([b"k1", b"k2", b"k3"], 1) == 2  # k2 is still in b
+    b.set_exception(OSError("lost"))
+    assert recent.in_flight_from([b"k2", b"k3"], 0) == 0
+    assert recent.leading([b"k1", b"k2"]) == 1  # a failed save forgets its keys
+
+
 def test_full_save_queue_drops_and_close_drains(kvtierd):
     """With the daemon frozen, a backup queues (or drops when the queue is full) and the
     call returns at once; close() waits for the queued save."""

@@ -94,6 +94,7 @@ class TtftBench:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         self.vocab = int(self.model.config.get_text_config(decoder=True).vocab_size)
         self.prefix_tokens = (job.cached_tokens // job.block_tokens) * job.block_tokens
+        self.targets_cluster = targets.cluster is not None
         self.cache = self._open_cache(targets, token)
         self.prompts = self._prompts(max([job.ttft_prompts, *job.concurrency]))
         self.prompt_token_lists = [ids[0].tolist() for ids in self.prompts]
@@ -104,6 +105,7 @@ class TtftBench:
 
     def _open_cache(self, targets: Targets, token: str | None):
         from kvtier.client import BlockClient, ClientError
+        from kvtier.client.cluster_members import ClusterUnavailable
         from kvtier.client.engines.transformers import namespace_for
         from kvtier.client.kvcache import KVCache
 
@@ -114,13 +116,15 @@ class TtftBench:
         addrs = [t.addr for t in targets.tcp]
         device_map, transport = None, "tcp"
         try:
+            if targets.cluster is not None:  # the members from etcd, 2 replicas each, as engines route
+                return KVCache(ns, targets.cluster.text, token=token, hot_pool_bytes=0, device=self.device)
             if targets.direct is not None:
                 with BlockClient(addrs[0], token=token) as c:
                     device_map = targets.direct.for_devices(tuple(c.geometry().device_ids))
                 transport = "direct"
             return KVCache(ns, addrs, token=token, hot_pool_bytes=0, device=self.device, device_map=device_map,
                            transport=transport)
-        except (OSError, ClientError) as e:  # the client's errors name the problem
+        except (OSError, ClientError, ClusterUnavailable) as e:  # the client's errors name the problem
             raise ConnectError(f"cannot use target {self.job.target}: {type(e).__name__}: {e}") from e
 
     def _prompts(self, count: int) -> list:
@@ -262,6 +266,7 @@ class TtftBench:
             "by_concurrency": levels,
             "logits_max_abs_diff": self.logits_diff_max,
             "warm_tier": warm,
+            **({"cluster": self.cache.cluster_statistics().as_dict()} if self.targets_cluster else {}),
         }
 
     def close(self) -> None:

@@ -158,18 +158,31 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     # --- existence -------------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Leading pages present, in one LOOKUP round trip (0 when the daemon is unreachable)."""
+        """Leading pages present, in one LOOKUP round trip (0 when the daemon is unreachable);
+        pages in saves still in flight (write-behind) count as present, and past them the
+        daemon is asked once more for the rest."""
         cache = self._ready()
         if not keys:
             return 0
-        try:
-            hits = cache.lookup_keys(self.keys_of(keys))
-        except IO_ERRORS as exc:
-            logger.warning("kvtier lookup failed (%s); treating %d pages as misses", exc, len(keys))
-            hits = 0
+        kv_keys = self.keys_of(keys)
+        hits = self._stored_from(cache, kv_keys, 0)
+        queued = self._recent.in_flight_from(kv_keys, hits)
+        if queued:
+            hits += queued
+            if hits < len(kv_keys):
+                hits += self._stored_from(cache, kv_keys, hits)
         self.counters["exists_calls"] += 1
         self.counters["hit_pages"] += hits
         return hits
+
+    @staticmethod
+    def _stored_from(cache: KVCache, kv_keys: list[bytes], start: int) -> int:
+        """Leading keys of ``kv_keys[start:]`` the daemon holds (one LOOKUP; 0 when unreachable)."""
+        try:
+            return cache.lookup_keys(kv_keys[start:])
+        except IO_ERRORS as exc:
+            logger.warning("kvtier lookup failed (%s); treating %d pages as misses", exc, len(kv_keys) - start)
+            return 0
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

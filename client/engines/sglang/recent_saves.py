@@ -5,7 +5,9 @@ pages it already backed up need not be sent twice. Write-behind saves have no
 LOOKUP before the PUT, so the backend remembers the keys it queued, at most
 ``RECENT_SAVES_MAX`` of them (the oldest are forgotten first), and skips the
 leading ones. A save that fails in the background forgets its keys, so that
-the next backup sends them again.
+the next backup sends them again. The keys of saves still in flight (queued,
+not yet acknowledged) also count as present to ``batch_exists``
+(:meth:`RecentSaves.in_flight_from`): a page queued a moment ago is not absent.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class RecentSaves:
         self._lock = threading.Lock()
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._pending: set[Future] = set()
+        self._in_flight: dict[bytes, int] = {}  # key -> saves in flight that carry it
 
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` were queued lately."""
@@ -37,6 +40,14 @@ class RecentSaves:
                 n += 1
             return n
 
+    def in_flight_from(self, keys: Sequence[bytes], start: int) -> int:
+        """How many of ``keys[start:]``, from the first on, are in saves still in flight."""
+        with self._lock:
+            n = start
+            while n < len(keys) and keys[n] in self._in_flight:
+                n += 1
+            return n - start
+
     def add(self, keys: Sequence[bytes], future: Future) -> None:
         """Remember ``keys``, queued as ``future``; forget them if it fails."""
         with self._lock:
@@ -46,11 +57,18 @@ class RecentSaves:
             while len(self._keys) > self.keys_max:
                 self._keys.popitem(last=False)
             self._pending.add(future)
+            for key in keys:
+                self._in_flight[key] = self._in_flight.get(key, 0) + 1
         future.add_done_callback(lambda f, keys=tuple(keys): self._done(f, keys))
 
     def _done(self, future: Future, keys: tuple[bytes, ...]) -> None:
         with self._lock:
-            self._pending.discard(future)
+            if future in self._pending:
+                self._pending.discard(future)
+                for key in keys:
+                    left = self._in_flight.pop(key) - 1
+                    if left:
+                        self._in_flight[key] = left
             if future.exception() is not None:
                 for key in keys:
                     self._keys.pop(key, None)

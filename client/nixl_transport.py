@@ -1,0 +1,411 @@
+"""The ``nixl`` transport: GET replies written by the daemon's NIXL agent into this process's
+registered buffers (UCX: shared memory on one host, RDMA where a device is present, TCP
+otherwise), with control on the data protocol (NIXL_METADATA, NIXL_GET; docs/nixl.md).
+
+::
+
+    client                                   kvtierd
+    LOOKUP (locations) ------------------->  lengths, seqs
+    NIXL_GET keys + descriptors ----------> read blocks into an arena (as a GET)
+                                  <======== NIXL WRITE into the descriptors, then a notification
+                           <--------------- reply: length written per item
+    wait for the notification, verify every block (header CRC, payload CRC, key, seq)
+
+One NIXL agent per process (:class:`ClientAgent`), without a progress thread (NIXL's
+spins on a core even while idle): while a NIXL_GET is in flight the requesting thread
+progresses the agent itself, polling its notifications until the reply arrives: without
+pause over TCP, where a WRITE is emulated in software and moves only while the waiting
+side progresses, every ``PROGRESS_POLL_S`` over shared memory and RDMA, where it lands
+without us. Destination buffers are ``bytearray``
+objects registered with it and reused once no view of them is left (the probe of
+:class:`~.block_client.ReplyBuffers`); a new one is announced to the daemon by
+sending NIXL_METADATA again before the next NIXL_GET on each control connection.
+A block that fails verification, a failed transfer or a refused request is a
+fallback: the warm tier fetches those blocks over TCP and counts them.
+
+NIXL is imported only here, when a transport is opened.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
+from kvtier.common.blockformat import BlockFormatError, verify_block
+from kvtier.common.ucx_env import TransportPlan, apply_ucx_environment
+from kvtier.wire import connection as p
+from kvtier.wire import events as m
+from kvtier.wire.frames import DEFERRED_LENGTH
+from kvtier.wire.nixl_frames import notification
+from kvtier.wire.sockets import receive_some, sendmsg_all
+
+from .block_client import _exported
+
+NOTIFICATION_TIMEOUT_S = 5.0  # after the reply, the daemon's notification is due at once: a stalled UCX peer
+DESTINATION_BUFFERS_MAX = 8  # registered destination buffers kept; more requests at once wait or go to TCP
+DESTINATION_BUFFER_BYTES_MIN = 16 << 20  # one arena's reply: smaller requests share this size (reuse)
+DESTINATION_BYTES_MAX = 1 << 30  # all destination buffers of the process together
+SLOT_ALIGN_BYTES = 4096  # each block starts on a page of its destination buffer
+PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET progresses the agent
+NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL is not importable here, or its agent cannot be created; the message says which."""
+
+
+class NixlFetchFailed(RuntimeError):
+    """A NIXL_GET that delivered nothing usable (refused, failed, timed out): fetch over TCP."""
+
+
+def _load_nixl():
+    try:
+        from nixl_cu12 import _api
+    except ImportError as exc:
+        raise NixlUnavailable(f"NIXL is not importable ({exc}): pip install 'kvtier[nixl]' "
+                              "(torch==2.13.0 first on machines without a GPU)") from None
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout, not to our log
+    return _api
+
+
+def nixl_importable() -> bool:
+    """Whether NIXL is installed here (asked without importing it)."""
+    return importlib.util.find_spec("nixl_cu12") is not None
+
+
+_REQUEST_IDS = itertools.count(1)  # every control connection's request ids, process-wide (next() is atomic)
+
+
+def buffer_address(buf) -> int:
+    """The address of a bytes-like object's first byte."""
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+class ClientAgent:
+    """This process's NIXL agent, its registered destination buffers and the notifications it got."""
+
+    _instance: "ClientAgent | None" = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, loopback_only: bool) -> "ClientAgent":
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls(loopback_only)
+            return cls._instance
+
+    def __init__(self, loopback_only: bool):
+        api = _load_nixl()
+        self.plan: TransportPlan = apply_ucx_environment(True, loopback_only)
+        self.name = f"kvtier-client-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        try:
+            self._agent = api.nixl_agent(self.name, config)
+        except Exception as exc:
+            raise NixlUnavailable(f"the NIXL agent could not be created: {type(exc).__name__}: {exc}") from None
+        if "UCX" not in self._agent.backends:
+            raise NixlUnavailable("NIXL's UCX backend is not available here")
+        self._lock = threading.Lock()
+        self._buffers: list[bytearray] = []
+        self._registrations: list = []
+        self.generation = 0  # bumped whenever the registered buffers change
+        self._notes_lock = threading.Lock()
+        self._notes: set[tuple[str, bytes]] = set()
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def regions(self) -> tuple[tuple[int, int], ...]:
+        with self._lock:
+            return tuple((buffer_address(b), len(b)) for b in self._buffers)
+
+    def add_daemon(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise NixlUnavailable(f"the daemon's NIXL agent metadata does not load: {type(exc).__name__}: {exc}") \
+                from None
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def take_buffer(self, nbytes: int) -> memoryview | None:
+        """A view of a registered buffer of at least ``nbytes`` that no other view references (None:
+        none free and no room for another). The buffer is the caller's while this view, or any view
+        made from it, lives: that is what marks it taken."""
+        with self._lock:
+            for buf in self._buffers:
+                if len(buf) >= nbytes and not _exported(buf):
+                    return memoryview(buf)
+            size = max(DESTINATION_BUFFER_BYTES_MIN, -(-nbytes // (1 << 20)) << 20)
+            total = sum(len(b) for b in self._buffers)
+            if len(self._buffers) >= DESTINATION_BUFFERS_MAX or total + size > DESTINATION_BYTES_MAX:
+                idle = [i for i, b in enumerate(self._buffers) if not _exported(b)]
+                if not idle:
+                    return None
+                self._agent.deregister_memory(self._registrations.pop(idle[0]), backends=["UCX"])
+                self._buffers.pop(idle[0])
+            buf = bytearray(size)
+            try:
+                registered = self._agent.register_memory([(buffer_address(buf), size, 0, "")], "DRAM", backends=["UCX"])
+            except Exception as exc:  # NIXL's own errors (out of pinnable memory, ...)
+                raise NixlFetchFailed(f"NIXL cannot register a {size}-byte destination buffer: "
+                                      f"{type(exc).__name__}: {exc}") from None
+            self._registrations.append(registered)
+            self._buffers.append(buf)
+            self.generation += 1
+            return memoryview(buf)
+
+    def progress(self) -> None:
+        """Progress the agent (transfers into our buffers) and keep the notifications that came."""
+        with self._notes_lock:
+            for sender, messages in self._agent.get_new_notifs().items():
+                sender = sender.decode() if isinstance(sender, bytes) else sender
+                self._notes.update((sender, bytes(msg)) for msg in messages)
+
+    def wait_notification(self, daemon: str, message: bytes, timeout_s: float) -> bool:
+        """Whether ``daemon``'s notification ``message`` arrived within ``timeout_s``. NIXL has no
+        blocking wait: this progresses the agent and polls its list."""
+        deadline = time.monotonic() + timeout_s
+        want = (daemon, message)
+        while True:
+            self.progress()
+            with self._notes_lock:
+                if want in self._notes:
+                    self._notes.discard(want)
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            os.sched_yield()
+
+
+@dataclass(frozen=True)
+class NixlStatistics:
+    transport: str  # the UCX transport expected towards this daemon: "sm", "rdma" or "tcp"
+    requests: int
+    blocks: int
+    bytes: int
+    refused: int  # NIXL_GETs the daemon answered with an error (the blocks went to TCP)
+    corrupt_blocks: int  # blocks that failed verification (went to TCP)
+    notification_timeouts: int
+
+
+class ControlChannel:
+    """One data-protocol connection for NIXL_METADATA and NIXL_GET."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, token: str | None, name: str,
+                 setup_timeout_s: float | None = None):
+        """Connect and HELLO within ``setup_timeout_s`` each (``timeout_s`` when None); later
+        exchanges wait ``timeout_s`` for their reply unless they name their own limit."""
+        setup_timeout_s = timeout_s if setup_timeout_s is None else setup_timeout_s
+        self.sock = socket.create_connection((host, port), timeout=setup_timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = p.Connection(p.Role.CLIENT)
+        self.last_request_id = 0
+        self.generation = -1  # the agent generation this connection's daemon last loaded
+        try:
+            self.info = dict(self.exchange(p.Hello(0, name, token or "")).info)
+            self.sock.settimeout(timeout_s)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    @property
+    def same_host(self) -> bool:
+        """A connection to an address of this host (loopback, or one of our own)."""
+        local, peer = self.sock.getsockname()[0], self.sock.getpeername()[0]
+        return local == peer or peer.startswith("127.") or peer == "::1"
+
+    def exchange(self, message, while_waiting=None, poll_s: float = 0.0, timeout_s: float | None = None):
+        """The reply to ``message``; ``while_waiting()`` is called until its first bytes arrive,
+        every ``poll_s`` (0: without pause). Request ids are unique in the process (they name
+        the NIXL notifications, which all arrive at the one agent). ``timeout_s``: this exchange's
+        limit instead of the connection's (a timeout leaves the connection unusable: close it)."""
+        if timeout_s is not None:
+            previous = self.sock.gettimeout()
+            self.sock.settimeout(timeout_s)
+            try:
+                return self.exchange(message, while_waiting, poll_s)
+            finally:
+                self.sock.settimeout(previous)
+        rid = self.last_request_id = next(_REQUEST_IDS)
+        sendmsg_all(self.sock, self.conn.send_parts(message, request_id=rid))
+        deadline = time.monotonic() + (self.sock.gettimeout() or 0)
+        while True:
+            event = self.conn.next_event()
+            if event is p.NEED_DATA:
+                while while_waiting is not None and not select.select([self.sock], [], [], poll_s)[0]:
+                    while_waiting()
+                    os.sched_yield()
+                    if time.monotonic() > deadline:
+                        raise p.ConnectionLost(f"no reply within {self.sock.gettimeout()} s")
+                receive_some(self.sock, self.conn)
+                continue
+            if event is p.CONNECTION_CLOSED:
+                raise p.ConnectionLost("the daemon closed the NIXL control connection")
+            if isinstance(event, p.ErrorReply):
+                raise p.RemoteError(event.code, event.message, event.request_id)
+            return event
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class NixlTransport:
+    """GETs from one daemon through NIXL; ``pool_size`` control connections, opened on demand.
+    Opening one talks to the daemon (connect, HELLO, NIXL_METADATA, each within
+    ``setup_timeout_s``): :class:`~.nixl_setup.NixlSetup` does it off the caller's path."""
+
+    def __init__(self, address: str, token: str | None = None, pool_size: int = 4, timeout_s: float = 30.0,
+                 client_name: str = "kvtier-nixl", setup_timeout_s: float = NIXL_SETUP_TIMEOUT_S):
+        self._host, self._port = parse_address(address, what="daemon address", default_port=DATA_PORT_DEFAULT)
+        self._token, self._timeout_s, self._name = token, timeout_s, client_name
+        self._setup_timeout_s = min(setup_timeout_s, timeout_s)
+        self._idle: queue.LifoQueue[ControlChannel] = queue.LifoQueue()
+        self._slots = threading.Semaphore(pool_size)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._daemon_agent: str | None = None
+        self._counts = dict(requests=0, blocks=0, bytes=0, refused=0, corrupt_blocks=0, notification_timeouts=0)
+        first = self._open_channel()  # fails now, not on the first GET, where NIXL or the daemon cannot
+        try:
+            peer = first.sock.getpeername()[0]
+            self.agent = ClientAgent.shared(loopback_only=peer.startswith("127.") or peer == "::1")
+            plan = self.agent.plan
+            self.transport = plan.name if first.same_host else "rdma" if "rc" in plan.tls.split(",") else "tcp"
+            # a WRITE over TCP is emulated in software and moves only while we progress: poll without
+            # pause; shared memory and RDMA land without us, so wait on the socket and look now and then
+            self._poll_s = 0.0 if self.transport == "tcp" else PROGRESS_POLL_S
+            self._declare(first)
+        except BaseException:
+            first.close()
+            raise
+        self._idle.put(first)
+
+    def _open_channel(self) -> ControlChannel:
+        ch = ControlChannel(self._host, self._port, self._timeout_s, self._token, self._name, self._setup_timeout_s)
+        if m.FEATURE_NIXL not in ch.info.get("features", ()):
+            ch.close()
+            raise NixlUnavailable(f"the daemon at {self._host}:{self._port} does not offer the nixl transport "
+                                  "(HELLO features; kvtierd --nixl, NIXL installed there)")
+        return ch
+
+    def _declare(self, ch: ControlChannel) -> None:
+        """Send this agent's metadata and destination regions, if the daemon has an older set."""
+        generation = self.agent.generation
+        if ch.generation == generation:
+            return
+        reply = ch.exchange(m.NixlMetadata(0, self.agent.metadata(), self.agent.regions()),
+                            timeout_s=self._setup_timeout_s)
+        if self._daemon_agent is None:
+            self._daemon_agent = self.agent.add_daemon(reply.metadata)
+        ch.generation = generation
+
+    def _count(self, **deltas) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def statistics(self) -> NixlStatistics:
+        with self._lock:
+            return NixlStatistics(self.transport, **self._counts)
+
+    def get_many(self, keys: list[bytes], lengths: list[int], seqs: list[int], ns_id: bytes | None = None) -> list:
+        """Verified blocks (read-only views of a registered buffer; they stay valid while referenced),
+        None where the daemon had none or the block failed verification (go to TCP for those).
+        ``lengths``/``seqs`` are the LOOKUP locations'. NixlFetchFailed: nothing was delivered."""
+        spans = [-(-n // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES for n in lengths]
+        buf = self.agent.take_buffer(max(sum(spans), 1))
+        if buf is None:
+            raise NixlFetchFailed("every NIXL destination buffer is in use")
+        starts = np.cumsum([0] + spans[:-1]).tolist()
+        base = buffer_address(buf)
+        results: list = [None] * len(keys)
+        pending = list(range(len(keys)))
+        ch = self._take_channel()
+        try:
+            while pending:
+                self._declare(ch)  # a buffer registered since: the daemon must know it first
+                lengths_written = self._get(ch, [keys[i] for i in pending],
+                                            [(base + starts[i], lengths[i]) for i in pending], ns_id)
+                deferred = [i for i, n in zip(pending, lengths_written) if n == DEFERRED_LENGTH]
+                for i, n in zip(pending, lengths_written):
+                    if n and n != DEFERRED_LENGTH:
+                        results[i] = self._verified(buf, starts[i], n, keys[i], seqs[i])
+                pending = deferred
+        except NixlFetchFailed:
+            raise  # the connection serves on
+        except BaseException:
+            ch.close()
+            ch = None
+            raise
+        finally:
+            self._give_channel(ch)
+        return results
+
+    def _get(self, ch: ControlChannel, keys, descriptors, ns_id) -> tuple[int, ...]:
+        try:
+            reply = ch.exchange(m.NixlGet(0, tuple(keys), self.agent.name, tuple(descriptors), ns_id, True),
+                                while_waiting=self.agent.progress, poll_s=self._poll_s)
+        except p.RemoteError as exc:
+            self._count(refused=1)
+            raise NixlFetchFailed(f"NIXL_GET refused by the daemon: {exc}") from None
+        self._count(requests=1)
+        request_id = ch.last_request_id
+        if any(n and n != DEFERRED_LENGTH for n in reply.lengths):
+            if not self.agent.wait_notification(self._daemon_agent, notification(request_id), NOTIFICATION_TIMEOUT_S):
+                self._count(notification_timeouts=1)
+                raise NixlFetchFailed(f"no NIXL notification for request {request_id} within "
+                                      f"{NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
+        return reply.lengths
+
+    def _verified(self, buf: memoryview, start: int, length: int, key: bytes, seq: int):
+        view = buf[start:start + length].toreadonly()
+        try:
+            verify_block(view, key, seq)
+        except BlockFormatError:
+            self._count(corrupt_blocks=1)
+            return None
+        self._count(blocks=1, bytes=length)
+        return view
+
+    def _take_channel(self) -> ControlChannel:
+        if not self._slots.acquire(timeout=self._timeout_s):
+            raise NixlFetchFailed(f"no NIXL control connection free within {self._timeout_s} s")
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        try:
+            return self._open_channel()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _give_channel(self, ch: ControlChannel | None) -> None:
+        if ch is not None:
+            if self._closed:
+                ch.close()
+            else:
+                self._idle.put(ch)
+        self._slots.release()
+
+    def close(self) -> None:
+        """Close the control connections (the daemon then forgets this agent's regions)."""
+        self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return

@@ -1,0 +1,312 @@
+"""The nixl transport against kvtier's TCP GET, raw NIXL transfers, iperf3 and fio, in one run.
+
+    .venv/bin/python perf/bench_nixl.py            # 2 MiB and 32 MiB blocks, 64 MiB each
+    .venv/bin/python perf/bench_nixl.py --quick    # fewer rounds
+
+Steps (every reference in the same run, so ratios mean something on a shared machine):
+
+1. GET (end to end: the daemon reads the blocks into an arena, the client verifies
+   every CRC): kvtierd's device files on tmpfs (the blocks in the daemon's DRAM),
+   2 MiB and 32 MiB blocks. kvtier TCP GET (one connection, ``copy=False``) and the
+   nixl transport alternate round by round, over shared memory (UCX ``self,sm,tcp``)
+   and over TCP (``self,tcp``), each in a process of its own (UCX reads its settings
+   once per process).
+2. Raw NIXL transfers between two processes, DRAM to DRAM, 32 MiB: the daemon's
+   choice, WRITE with a notification (the daemon initiates) vs READ (the client
+   initiates), over shared memory and over TCP.
+3. iperf3 on loopback, one stream: the TCP ceiling.
+4. NIXL's POSIX file backend vs fio vs a ``preadv`` loop, O_DIRECT, 16 MiB reads of the
+   same file.
+
+Prints a markdown table and writes ``perf/out/nixl.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib*", "NIXL_LOG_LEVEL": "WARN"}
+TLS = {"sm": "self,sm,tcp", "tcp": "self,tcp"}
+NS = b"\x0b" * 16
+
+
+def _rate(nbytes: int, seconds: list[float]) -> dict:
+    return {"best_gbs": nbytes / min(seconds) / 1e9, "median_gbs": nbytes / statistics.median(seconds) / 1e9}
+
+
+# -- 1. end-to-end GET -------------------------------------------------------------
+def child_get(tls: str, block_mib: int, total_mib: int, rounds: int) -> dict:
+    from daemon_proc import start_kvtierd
+    from kvtier.client import BlockClient
+    from kvtier.client.nixl_transport import NixlTransport
+    from kvtier.common.blockformat import encode_block
+
+    os.environ.update(LOOPBACK, KVTIER_NIXL_TLS=TLS[tls])
+    count = max(1, total_mib // block_mib)
+    data_dir = Path(tempfile.mkdtemp(prefix="kvtier-nixl-", dir="/dev/shm"))
+    device_mib = max(64, 2 * total_mib // 4 + 2 * block_mib)
+    d = start_kvtierd(data_dir, "--nixl", "on", "--nixl-tls", TLS[tls], "--region-size", "64m",
+                      "--device-size", f"{device_mib}m", env={**os.environ})
+    try:
+        keys = [struct.pack("<QQ", 7, i) for i in range(count)]
+        blocks = [encode_block(k, NS, 0, os.urandom((block_mib << 20) - 64)) for k in keys]
+        nbytes = sum(len(b) for b in blocks)
+        with BlockClient(d.data_addr, pool_size=1) as client:
+            client.put_many(list(zip(keys, blocks)), ns_id=NS)
+            client.flush()
+            del blocks
+            _, locations = client.lookup_locations(keys, ns_id=NS)
+            transport = NixlTransport(d.data_addr, pool_size=1)
+            lengths, seqs = [loc.length for loc in locations], [loc.seq for loc in locations]
+            tcp_s, nixl_s = [], []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                got = client.get_many(keys, ns_id=NS, copy=False)
+                tcp_s.append(time.perf_counter() - started)
+                assert all(g is not None for g in got)
+                del got
+                started = time.perf_counter()
+                got = transport.get_many(keys, lengths, seqs, NS)
+                nixl_s.append(time.perf_counter() - started)
+                assert all(g is not None for g in got)
+                del got
+            stats = transport.statistics()
+            transport.close()
+        return {"tls": TLS[tls], "transport": stats.transport, "block_mib": block_mib, "blocks": count,
+                "tcp": _rate(nbytes, tcp_s), "nixl": _rate(nbytes, nixl_s)}
+    finally:
+        d.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+# -- 2. raw transfers ----------------------------------------------------------------
+def _agent(name: str, progress_thread: bool):
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+
+
+def _send(sock, data: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(data)) + data)
+
+
+def _recv(sock) -> bytes:
+    def exactly(n):
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("peer closed")
+            out += chunk
+        return out
+    return exactly(struct.unpack("<I", exactly(4))[0])
+
+
+def child_raw_target(port_file: str, nbytes: int) -> None:
+    """The waiting side: its progress thread runs; it answers each round once the data is in."""
+    import numpy as np
+    agent = _agent(f"target-{os.getpid()}", progress_thread=True)
+    buf = np.full(nbytes, 7, np.uint8)
+    agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
+    listener = socket.create_server(("127.0.0.1", 0))
+    Path(port_file + ".tmp").write_text(str(listener.getsockname()[1]))
+    os.rename(port_file + ".tmp", port_file)
+    sock, _ = listener.accept()
+    peer = agent.add_remote_agent(_recv(sock))
+    peer = peer.decode() if isinstance(peer, bytes) else peer
+    _send(sock, agent.get_agent_metadata())
+    _send(sock, struct.pack("<Q", buf.ctypes.data))
+    while (command := _recv(sock)) != b"quit":
+        if command.startswith(b"wait:"):  # WRITE: the data is in once the notification is
+            tag = command[5:]
+            while not agent.check_remote_xfer_done(peer, tag):
+                pass
+        _send(sock, b"ok")
+    os._exit(0)
+
+
+def raw_transfer(tls: str, mode: str, nbytes: int, rounds: int) -> dict:
+    """The initiator (polls itself, no progress thread) in a child process, its own child the target."""
+    env = {**os.environ, **LOOPBACK, "UCX_TLS": TLS[tls], "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+    out = subprocess.run([sys.executable, __file__, "--child-raw", tls, mode, str(nbytes), str(rounds)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not line:
+        raise RuntimeError(f"raw transfer child failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(line[-1])
+
+
+def child_raw_initiator(tls: str, mode: str, nbytes: int, rounds: int) -> None:
+    import numpy as np
+    port_file = tempfile.mktemp(prefix="kvtier-nixl-port-")
+    target = subprocess.Popen([sys.executable, __file__, "--child-raw-target", port_file, str(nbytes)])
+    deadline = time.monotonic() + 30
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline or target.poll() is not None:
+            raise RuntimeError("the raw-transfer target did not start")
+        time.sleep(0.05)
+    agent = _agent(f"initiator-{os.getpid()}", progress_thread=False)
+    buf = np.zeros(nbytes, np.uint8)
+    agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
+    sock = socket.create_connection(("127.0.0.1", int(Path(port_file).read_text())))
+    os.unlink(port_file)
+    _send(sock, agent.get_agent_metadata())
+    peer = agent.add_remote_agent(_recv(sock))
+    peer = peer.decode() if isinstance(peer, bytes) else peer
+    remote_address = struct.unpack("<Q", _recv(sock))[0]
+    pieces = 16
+    piece = nbytes // pieces
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.ctypes.data + i * piece, piece, 0) for i in range(pieces)],
+                                  "DRAM")
+    remote = agent.prep_xfer_dlist(peer, [(remote_address + i * piece, piece, 0) for i in range(pieces)], "DRAM")
+    seconds = []
+    for r in range(rounds + 1):  # the first round sets up the connection: not counted
+        tag = b"r%d" % r
+        started = time.perf_counter()
+        handle = agent.make_prepped_xfer(mode, local, list(range(pieces)), remote, list(range(pieces)),
+                                         tag if mode == "WRITE" else b"")
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        assert state == "DONE", state
+        handle.release()
+        _send(sock, b"wait:" + tag if mode == "WRITE" else b"done")
+        _recv(sock)
+        if r:
+            seconds.append(time.perf_counter() - started)
+    if mode == "READ":
+        assert int(buf[0]) == 7 and int(buf[-1]) == 7
+    _send(sock, b"quit")
+    target.wait(30)
+    print(json.dumps({"tls": TLS[tls], "mode": mode, "bytes": nbytes, **_rate(nbytes, seconds)}), flush=True)
+    os._exit(0)
+
+
+# -- 3. iperf3 ----------------------------------------------------------------------
+def iperf3(seconds: int) -> dict:
+    if shutil.which("iperf3") is None:
+        return {"skipped": "iperf3 is not installed (apt-get install -y iperf3)"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port), "-B", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                             capture_output=True, text=True, timeout=seconds + 30)
+        doc = json.loads(out.stdout)
+        return {"gbs": doc["end"]["sum_received"]["bits_per_second"] / 8 / 1e9}
+    finally:
+        server.wait(10)
+
+
+# -- 4. file reads -------------------------------------------------------------------
+def file_reads(path: str, file_mib: int, rounds: int) -> dict:
+    from kvtier.client.nixl_file_reads import NixlFileReads
+    from kvtier.common.aligned import aligned_buffer
+
+    piece = 16 << 20
+    nbytes = file_mib << 20
+    with open(path, "wb") as fh:
+        for _ in range(file_mib // 16):
+            fh.write(os.urandom(piece))
+        fh.flush()
+        os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffer = aligned_buffer(nbytes)
+    views = [buffer[i * piece:(i + 1) * piece] for i in range(nbytes // piece)]
+    reads = NixlFileReads([fd])
+    nixl_s, preadv_s, fio = [], [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        reads.read([(0, i * piece, v) for i, v in enumerate(views)])
+        nixl_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for i, v in enumerate(views):
+            os.preadv(fd, [v], i * piece)
+        preadv_s.append(time.perf_counter() - started)
+        out = subprocess.run(["fio", "--name=read", f"--filename={path}", "--rw=read", "--bs=16m", "--direct=1",
+                              "--ioengine=psync", f"--size={file_mib}m", "--output-format=json"],
+                             capture_output=True, text=True, timeout=300)
+        fio.append(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9)
+    reads.close()
+    os.close(fd)
+    return {"file_mib": file_mib, "nixl_posix": _rate(nbytes, nixl_s), "preadv": _rate(nbytes, preadv_s),
+            "fio_best_gbs": max(fio), "fio_median_gbs": statistics.median(fio)}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-get":
+        print(json.dumps(child_get(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))), flush=True)
+        os._exit(0)  # a UCX backend exists: skip its teardown at exit (docs/nixl.md)
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-raw":
+        child_raw_initiator(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-raw-target":
+        child_raw_target(sys.argv[2], int(sys.argv[3]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--total-mib", type=int, default=64, help="bytes of blocks per GET run")
+    ap.add_argument("--file-dir", default=str(ROOT / "perf" / "out"), help="where the fio / POSIX file goes")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 6
+    results: dict = {"machine": f"{os.cpu_count()} cores, shared", "get": [], "raw": []}
+    for tls in ("sm", "tcp"):
+        for block_mib in (2, 32):
+            out = subprocess.run([sys.executable, __file__, "--child-get", tls, str(block_mib), str(args.total_mib),
+                                  str(rounds)], capture_output=True, text=True, timeout=600)
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+            if out.returncode != 0 or not line:
+                raise RuntimeError(f"GET child failed ({out.returncode}): {out.stderr[-3000:]}")
+            results["get"].append(json.loads(line[-1]))
+    for tls in ("sm", "tcp"):
+        for mode in ("WRITE", "READ"):
+            results["raw"].append(raw_transfer(tls, mode, 32 << 20, rounds))
+    results["iperf3"] = iperf3(2 if args.quick else 4)
+    Path(args.file_dir).mkdir(parents=True, exist_ok=True)
+    path = os.path.join(args.file_dir, "nixl-file-read.bin")
+    try:
+        results["files"] = file_reads(path, 256, rounds)
+    finally:
+        os.unlink(path)
+    out_dir = ROOT / "perf" / "out"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "nixl.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+    os._exit(0)
+
+
+def print_table(r: dict) -> None:
+    print("| GET | UCX_TLS | block | kvtier TCP GET best (median) GB/s | nixl best (median) GB/s | ratio (best) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for g in r["get"]:
+        print(f"| {g['transport']} | {g['tls']} | {g['block_mib']} MiB x{g['blocks']} | "
+              f"{g['tcp']['best_gbs']:.2f} ({g['tcp']['median_gbs']:.2f}) | "
+              f"{g['nixl']['best_gbs']:.2f} ({g['nixl']['median_gbs']:.2f}) | "
+              f"{g['nixl']['best_gbs'] / g['tcp']['best_gbs']:.2f}x |")
+    print()
+    print("| raw NIXL, 32 MiB | UCX_TLS | best (median) GB/s |")
+    print("| --- | --- | --- |")
+    for x in r["raw"]:
+        print(f"| {x['mode']} | {x['tls']} | {x['best_gbs']:.2f} ({x['median_gbs']:.2f}) |")
+    print(f"\niperf3 loopback, 1 stream: {r['iperf3']}")
+    f = r["files"]
+    print(f"\nfile reads, {f['file_mib']} MiB, 16 MiB O_DIRECT: NIXL POSIX {f['nixl_posix']['best_gbs']:.2f} "
+          f"({f['nixl_posix']['median_gbs']:.2f}) GB/s, preadv {f['preadv']['best_gbs']:.2f} "
+          f"({f['preadv']['median_gbs']:.2f}), fio {f['fio_best_gbs']:.2f} ({f['fio_median_gbs']:.2f}); "
+          f"NIXL / fio = {f['nixl_posix']['best_gbs'] / f['fio_best_gbs']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The byte layout of the NIXL ops (pure, no I/O): NIXL_METADATA (0x0B) and NIXL_GET (0x0C).
+
+Control stays on the data protocol; only block bytes move through NIXL. Both ops
+are refused before HELLO like every other op (:func:`kvtier.wire.state.check_before_hello`),
+so agent metadata is only ever exchanged on an authenticated connection::
+
+    NIXL_METADATA request   count = regions
+        count x REGION (u64 address, u64 length_bytes)    the client's registered destinations
+        agent metadata                                    the rest (1..NIXL_AGENT_METADATA_BYTES_MAX)
+    NIXL_METADATA reply     count = 0
+        the daemon's agent metadata
+
+    NIXL_GET request        count = items; flags HAS_NS, READER_VERIFIES
+        [ns] u16 name_len, agent name (UTF-8)
+        count x DESCRIPTOR (key, u64 address, u32 capacity_bytes)
+    NIXL_GET reply          count = items, no payload
+        count x u32 length written at the item's descriptor (0 miss, 0xFFFFFFFF deferred)
+
+Neither carries a payload. The decoders are pairs like :mod:`kvtier.wire.readers`'
+(a meta check, then a builder); :func:`encode` is the writer's half.
+"""
+from __future__ import annotations
+
+import struct
+
+from kvtier.wire import events as m
+from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
+from kvtier.wire.frames import DEFERRED_LENGTH, FLAG_HAS_NS, FLAG_READER_VERIFIES, U16, FrameHead
+
+REGION = struct.Struct("<QQ")  # NIXL_METADATA item: address, length_bytes
+assert REGION.size == 16
+DESCRIPTOR = struct.Struct("<16sQI")  # NIXL_GET item: key, address, capacity_bytes
+assert DESCRIPTOR.size == m.KEY_SIZE + 12
+ADDRESS_MAX = 2**64 - 1
+NOTIFICATION_PREFIX = b"kvtier-get:"  # a NIXL_GET's notification: this, then the request id (u64 LE)
+
+
+def notification(request_id: int) -> bytes:
+    """The NIXL notification the daemon sends once a NIXL_GET's blocks are written."""
+    return NOTIFICATION_PREFIX + struct.pack("<Q", request_id)
+
+
+def _reject(head: FrameHead, code: ErrorCode, message: str) -> ProtocolError:
+    return ProtocolError(code, message, head.request_id, fatal=False)
+
+
+def _no_payload(head: FrameHead) -> None:
+    if head.payload_len:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"op {head.op:#x} carries no payload, got {head.payload_len} bytes")
+
+
+def _check_regions(head: FrameHead, regions) -> None:
+    for index, (address, length) in enumerate(regions):
+        if length <= 0 or address == 0 or address + length > ADDRESS_MAX:
+            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL region {index}: {length} bytes at {address:#x} is "
+                          "empty, at address 0 or past the end of the address space")
+
+
+# -- meta checks ---------------------------------------------------------------
+def _meta_metadata(head: FrameHead, meta: bytes, limits: Limits):
+    _no_payload(head)
+    if head.count > m.NIXL_REGIONS_MAX:
+        raise _reject(head, ErrorCode.LIMIT, f"{head.count} NIXL regions is over the limit {m.NIXL_REGIONS_MAX}")
+    blob = len(meta) - head.count * REGION.size
+    if blob <= 0:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_METADATA of {len(meta)} meta bytes holds {head.count} "
+                      "regions and no agent metadata")
+    if blob > m.NIXL_AGENT_METADATA_BYTES_MAX:
+        raise _reject(head, ErrorCode.LIMIT, f"NIXL agent metadata of {blob} bytes is over the limit "
+                      f"{m.NIXL_AGENT_METADATA_BYTES_MAX}")
+    regions = tuple(REGION.iter_unpack(meta[:head.count * REGION.size]))
+    _check_regions(head, regions)
+    return regions, bytes(meta[head.count * REGION.size:])
+
+
+def _meta_metadata_reply(head: FrameHead, meta: bytes, limits: Limits):
+    _no_payload(head)
+    if head.count or not meta or len(meta) > m.NIXL_AGENT_METADATA_BYTES_MAX:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_METADATA reply of {len(meta)} bytes and count "
+                      f"{head.count}: expected 1..{m.NIXL_AGENT_METADATA_BYTES_MAX} bytes of metadata, no items")
+    return bytes(meta)
+
+
+def _meta_get(head: FrameHead, meta: bytes, limits: Limits):
+    _no_payload(head)
+    if head.count > limits.batch_count_max:
+        raise _reject(head, ErrorCode.LIMIT, f"batch of {head.count} items is over the limit {limits.batch_count_max}")
+    off = 0
+    ns = None
+    if head.flags & FLAG_HAS_NS:
+        if len(meta) < m.KEY_SIZE:
+            raise _reject(head, ErrorCode.BAD_REQUEST, "namespace flag set but the meta section has no namespace id")
+        ns, off = bytes(meta[:m.KEY_SIZE]), m.KEY_SIZE
+    try:
+        (name_len,) = U16.unpack_from(meta, off)
+    except struct.error:
+        raise _reject(head, ErrorCode.BAD_REQUEST, "NIXL_GET meta section has no agent name") from None
+    if not 0 < name_len <= m.NIXL_AGENT_NAME_BYTES_MAX:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET agent name of {name_len} bytes: expected "
+                      f"1..{m.NIXL_AGENT_NAME_BYTES_MAX}")
+    items_at = off + 2 + name_len
+    if len(meta) - items_at != head.count * DESCRIPTOR.size:
+        raise _reject(head, ErrorCode.BAD_REQUEST,
+                      f"NIXL_GET descriptor table of {len(meta) - items_at} bytes does not hold {head.count} items "
+                      f"of {DESCRIPTOR.size} bytes (16-byte key, u64 address, u32 capacity)")
+    try:
+        name = bytes(meta[off + 2:items_at]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _reject(head, ErrorCode.BAD_REQUEST, "NIXL_GET agent name is not UTF-8") from None
+    items = tuple(DESCRIPTOR.iter_unpack(meta[items_at:]))
+    return ns, name, items
+
+
+def _meta_get_reply(head: FrameHead, meta: bytes, limits: Limits):
+    _no_payload(head)
+    if len(meta) != head.count * 4:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET reply length table of {len(meta)} bytes for "
+                      f"{head.count} items")
+    return struct.unpack(f"<{head.count}I", meta)
+
+
+def _build_get(head: FrameHead, parsed, _payload) -> m.NixlGet:
+    ns, name, items = parsed
+    return m.NixlGet(head.request_id, tuple(key for key, _, _ in items), name,
+                     tuple((address, capacity) for _, address, capacity in items), ns,
+                     bool(head.flags & FLAG_READER_VERIFIES))
+
+
+REQUEST_DECODERS = {
+    Op.NIXL_METADATA: (_meta_metadata, lambda h, p, _: m.NixlMetadata(h.request_id, p[1], p[0])),
+    Op.NIXL_GET: (_meta_get, _build_get),
+}
+REPLY_DECODERS = {
+    Op.NIXL_METADATA: (_meta_metadata_reply, lambda h, p, _: m.NixlMetadataReply(h.request_id, p)),
+    Op.NIXL_GET: (_meta_get_reply, lambda h, p, _: m.NixlGetReply(h.request_id, p)),
+}
+
+
+# -- encoders ------------------------------------------------------------------
+def _key(key) -> bytes:
+    key = bytes(key)
+    if len(key) != m.KEY_SIZE:
+        raise ValueError(f"a key must be {m.KEY_SIZE} bytes, got {len(key)}")
+    return key
+
+
+def _encode_metadata(msg: m.NixlMetadata):
+    if not msg.metadata or len(msg.metadata) > m.NIXL_AGENT_METADATA_BYTES_MAX:
+        raise ValueError(f"NIXL agent metadata of {len(msg.metadata)} bytes: expected "
+                         f"1..{m.NIXL_AGENT_METADATA_BYTES_MAX}")
+    if len(msg.regions) > m.NIXL_REGIONS_MAX:
+        raise ValueError(f"{len(msg.regions)} NIXL regions is over the limit {m.NIXL_REGIONS_MAX}")
+    meta = b"".join(REGION.pack(address, length) for address, length in msg.regions) + bytes(msg.metadata)
+    return Op.NIXL_METADATA, 0, msg.request_id, len(msg.regions), meta, [], 0
+
+
+def _encode_get(msg: m.NixlGet):
+    if len(msg.keys) != len(msg.descriptors):
+        raise ValueError(f"NIXL_GET of {len(msg.keys)} keys and {len(msg.descriptors)} descriptors")
+    name = msg.agent_name.encode("utf-8")
+    if not 0 < len(name) <= m.NIXL_AGENT_NAME_BYTES_MAX:
+        raise ValueError(f"NIXL agent name of {len(name)} bytes: expected 1..{m.NIXL_AGENT_NAME_BYTES_MAX}")
+    flags = FLAG_READER_VERIFIES if msg.reader_verifies else 0
+    prefix = b""
+    if msg.ns_id is not None:
+        flags |= FLAG_HAS_NS
+        prefix = _key(msg.ns_id)
+    items = b"".join(DESCRIPTOR.pack(_key(k), address, capacity)
+                     for k, (address, capacity) in zip(msg.keys, msg.descriptors))
+    return Op.NIXL_GET, flags, msg.request_id, len(msg.keys), prefix + U16.pack(len(name)) + name + items, [], 0
+
+
+def _encode_get_reply(msg: m.NixlGetReply):
+    for length in msg.lengths:
+        if not 0 <= length <= DEFERRED_LENGTH:
+            raise ValueError(f"NIXL_GET reply length {length} does not fit a u32")
+    meta = struct.pack(f"<{len(msg.lengths)}I", *msg.lengths)
+    return Op.NIXL_GET | m.REPLY_BIT, 0, msg.request_id, len(msg.lengths), meta, [], 0
+
+
+ENCODERS = {
+    m.NixlMetadata: _encode_metadata,
+    m.NixlMetadataReply: lambda msg: (Op.NIXL_METADATA | m.REPLY_BIT, 0, msg.request_id, 0, bytes(msg.metadata),
+                                      [], 0),
+    m.NixlGet: _encode_get,
+    m.NixlGetReply: _encode_get_reply,
+}
