@@ -517,6 +517,11 @@ class KVCache:
         :class:`~.owner_pool.ClusterClientStatistics`; ``as_dict()`` for JSON)."""
         return self._warm.pool.statistics()
 
+    def wait_nixl_ready(self, timeout_s: float) -> bool:
+        """Every open daemon's NIXL transport set up within ``timeout_s`` (:func:`~.nixl_setup.wait_ready`)."""
+        from .nixl_setup import wait_ready
+        return wait_ready([d.nixl for d in self._warm.daemons], timeout_s)
+
     def close(self) -> None:
         """Drain accepted write-behind saves, then close every connection."""
         self._saves.close()

@@ -16,12 +16,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlTransport, NixlUnavailable, nixl_importable
 
 log = logging.getLogger(__name__)
 
 NIXL_SETUP_RETRY_S = 30.0  # after a setup failed or timed out, the next one: loads use TCP meanwhile
+READY_POLL_S = 0.01  # wait_ready's look at the setups (each ends on a thread of its own)
 
 
 def open_nixl_setup(address: str, required: bool, token: str | None, pool_size: int,
@@ -41,6 +43,21 @@ def open_nixl_setup(address: str, required: bool, token: str | None, pool_size: 
         setup.close()
         raise ValueError(f"transport='nixl': {why}")
     return setup
+
+
+def wait_ready(setups: Sequence[NixlSetup | None], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for every setup's transport (loads go over TCP before). False where
+    one is not ready by then, or there is none to wait for: no setups, a daemon without one
+    (transport tcp or direct, NIXL not importable here), or one that lacks NIXL."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not setups or any(s is None or not s.offered for s in setups):
+            return False
+        if all(s.ready() is not None for s in setups):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(READY_POLL_S)
 
 
 @dataclass(frozen=True)

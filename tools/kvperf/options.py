@@ -29,6 +29,7 @@ PROMPT_TOKENS_MAX = 1 << 20  # a synthetic prompt longer than a million tokens i
 
 RW_BLOCK = ("read", "write", "randread", "randwrite", "rw", "readwrite", "randrw")
 RW_MODES = RW_BLOCK + ("lookup", "prefix", "ttft")
+TTFT_TRANSPORTS = ("tcp", "direct", "nixl", "auto")  # kvtier.client.kvcache.TRANSPORTS
 
 
 def _codec(option: str, text: str) -> str:
@@ -73,6 +74,12 @@ def _distribution(option: str, text: str) -> float:
 def _device(option: str, text: str) -> str:
     if text != "cpu" and not re.fullmatch(r"cuda(:[0-9]+)?", text):
         raise UsageError(f"{option}={text!r}: use cpu, cuda or cuda:N")
+    return text
+
+
+def _ttft_transport(option: str, text: str) -> str:
+    if text not in TTFT_TRANSPORTS:
+        raise UsageError(f"{option}={text!r}: unknown transport; choose one of {', '.join(TTFT_TRANSPORTS)}")
     return text
 
 
@@ -138,6 +145,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     _o("concurrency", lambda o, t: parse_int_list(o, t, 1), "ttft: concurrency levels, e.g. 1,8,16"),
     _o("ttft_device", _device, "ttft: torch device of the model and the KV (cpu, cuda, cuda:1)"),
     _o("ttft_prompts", lambda o, t: parse_int(o, t, 1, 1 << 16), "ttft: prompts per concurrency level"),
+    _o("ttft_transport", _ttft_transport, "ttft: how loads reach the daemon: " + ", ".join(TTFT_TRANSPORTS)
+       + " (default: direct with a direct: target, auto with a cluster, tcp otherwise)"),
     _o("description", _path_or_empty, "free text shown in the report"),
     _o("stonewall", parse_bool, "accepted for fio compatibility: kvperf always runs jobs one after another"),
     _o("group_reporting", parse_bool, "accepted for fio compatibility: clones are always reported together"),
@@ -183,6 +192,7 @@ class JobOptions:
     concurrency: tuple[int, ...] = (1, 8, 16)
     ttft_prompts: int = 8
     ttft_device: str = "cpu"
+    ttft_transport: str = ""  # "": from the target (ttftjob.default_transport)
     description: str = ""
     stonewall: bool = False
     group_reporting: bool = False
@@ -257,6 +267,9 @@ def _check(job: JobOptions, raw: RawJob) -> None:
     if job.rw == "ttft" and job.cached_tokens >= job.prompt_tokens:
         raise UsageError(f"{where}: cached_tokens ({job.cached_tokens}) must be less than prompt_tokens "
                          f"({job.prompt_tokens}): at least one token is prefilled")
+    if job.ttft_transport == "direct" and not job.target.startswith("direct:"):
+        raise UsageError(f"{where}: ttft_transport=direct needs the daemon's device map: "
+                         "target=direct:ID=PATH[,ID=PATH...]@tcp://HOST:PORT")
     if job.rw == "prefix" and job.prompt_tokens < job.block_tokens and not job.trace:
         raise UsageError(f"{where}: prompt_tokens ({job.prompt_tokens}) is shorter than one block "
                          f"(block_tokens={job.block_tokens})")

@@ -84,6 +84,8 @@ def job_lines(job: dict, rw: str) -> list[str]:
 
 def ttft_lines(t: dict) -> list[str]:
     lines = [f"  ttft: model={t['model']}, prompt={t['prompt_tokens']} tokens, cached={t['cached_tokens']} tokens"]
+    carried = ", ".join(f"{name} {n}" for name, n in sorted(t.get("transports", {}).items())) or "none"
+    lines.append(f"    transport: {t.get('transport', '?')}, timed blocks by transport: {carried}")
     for mode in TTFT_MODES:
         s = t[f"{mode}_ms"]
         lines.append(f"    {mode:>9}: mean={s['mean']:.2f} ms, p50={s['percentile']['50.000000']:.2f} ms, "

@@ -18,7 +18,9 @@ and, from their means, what a pipelined load is judged by::
 Each concurrency level (``concurrency=1,8,16``) runs ``max(ttft_prompts,
 level)`` prompts per mode with ``level`` of them in flight (threads), and
 reports mean/p99 times and prompts/s. Prompts differ from each other and the
-hot pool is off, so every load comes from the daemon. The model is one of the
+hot pool is off, so every load comes from the daemon, through ``ttft_transport``
+(the stored prefixes are flushed first: sealed, as direct reads need); the
+report counts the timed loads' blocks by the transport that carried them. The model is one of the
 random-weight Llamas of :mod:`.models` (no download) unless ``model=`` names
 a local checkpoint directory. With ``verify`` and the raw codec, the kvtier
 logits must equal the in-memory ones and the KV loaded alone the stored KV,
@@ -43,6 +45,7 @@ from .units import UsageError
 RANDOM_LLAMA_SEED = 0
 WARMUP_PROMPTS = 1  # untimed runs of each mode first: torch's first call allocates and picks kernels
 MODES = ("recompute", "inmemory", "load", "kvtier")
+NIXL_READY_TIMEOUT_S = 30.0  # the background NIXL setup, waited for before anything is timed
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -57,6 +60,11 @@ def load_figures(inmemory_ms: float, load_ms: float, kvtier_ms: float) -> dict:
             "load_vs_inmemory": _ratio(load_ms, inmemory_ms),
             "exposed_vs_load": _ratio(exposed_ms, load_ms),
             "kvtier_vs_bound": _ratio(kvtier_ms, max(inmemory_ms, load_ms))}
+
+
+def default_transport(targets: Targets) -> str:
+    """Without ``ttft_transport``: what the target offers (a cluster's clients choose per member)."""
+    return "direct" if targets.direct is not None else "auto" if targets.cluster is not None else "tcp"
 
 
 def build_model(job: JobOptions):
@@ -95,6 +103,8 @@ class TtftBench:
         self.vocab = int(self.model.config.get_text_config(decoder=True).vocab_size)
         self.prefix_tokens = (job.cached_tokens // job.block_tokens) * job.block_tokens
         self.targets_cluster = targets.cluster is not None
+        self.transport = job.ttft_transport or default_transport(targets)
+        self.nixl_ready: bool | None = None  # None: this transport does not use NIXL
         self.cache = self._open_cache(targets, token)
         self.prompts = self._prompts(max([job.ttft_prompts, *job.concurrency]))
         self.prompt_token_lists = [ids[0].tolist() for ids in self.prompts]
@@ -113,19 +123,26 @@ class TtftBench:
         ns = namespace_for(self.model, self.model_id, self.job.block_tokens, codec=codec,
                            tenant_salt=f"kvperf:{self.job.keyspace}:{self.job.seed}",
                            layer_groups=self.job.layer_groups)
-        addrs = [t.addr for t in targets.tcp]
-        device_map, transport = None, "tcp"
+        transport = self.transport
+        device_map = None
         try:
             if targets.cluster is not None:  # the members from etcd, 2 replicas each, as engines route
-                return KVCache(ns, targets.cluster.text, token=token, hot_pool_bytes=0, device=self.device)
-            if targets.direct is not None:
-                with BlockClient(addrs[0], token=token) as c:
-                    device_map = targets.direct.for_devices(tuple(c.geometry().device_ids))
-                transport = "direct"
-            return KVCache(ns, addrs, token=token, hot_pool_bytes=0, device=self.device, device_map=device_map,
-                           transport=transport)
+                cache = KVCache(ns, targets.cluster.text, token=token, hot_pool_bytes=0, device=self.device,
+                                transport=transport)
+            else:
+                addrs = [t.addr for t in targets.tcp]
+                if targets.direct is not None and transport in ("direct", "auto"):
+                    with BlockClient(addrs[0], token=token) as c:
+                        device_map = targets.direct.for_devices(tuple(c.geometry().device_ids))
+                cache = KVCache(ns, addrs, token=token, hot_pool_bytes=0, device=self.device,
+                                device_map=device_map, transport=transport)
         except (OSError, ClientError, ClusterUnavailable) as e:  # the client's errors name the problem
             raise ConnectError(f"cannot use target {self.job.target}: {type(e).__name__}: {e}") from e
+        except ValueError as e:  # transport=nixl where this host or the daemon lacks NIXL, direct without devices
+            raise UsageError(f"ttft_transport={transport}: {e}") from None
+        if transport in ("nixl", "auto"):  # set up in the background: the timed loads wait for it
+            self.nixl_ready = cache.wait_nixl_ready(NIXL_READY_TIMEOUT_S)
+        return cache
 
     def _prompts(self, count: int) -> list:
         rng = np.random.default_rng([self.job.seed, 0x77])
@@ -145,6 +162,7 @@ class TtftBench:
             layers = [(k.clone(), v.clone()) for k, v in layers_of_cache(cache)]
             self.cache.store(prefix[0].tolist(), layers, durable=self.job.durable)
             self.prefix_kv.append(layers)
+        self.cache.flush()  # sealed on the devices: what direct reads need, the same blocks for every transport
 
     def _one(self, mode: str, i: int) -> float:
         """TTFT of prompt ``i`` in ``mode``, in ms (what is outside the timer: only test bookkeeping)."""
@@ -245,6 +263,7 @@ class TtftBench:
         for mode in MODES:  # warm-up, untimed
             for i in range(WARMUP_PROMPTS):
                 self._one(mode, i)
+        untimed = self._warm_transports()
         levels, all_samples = [], {m: [] for m in MODES}
         for c in self.job.concurrency:
             lv, samples = self.level(c)
@@ -254,11 +273,16 @@ class TtftBench:
         stats = {f"{m}_ms": ms_stats(all_samples[m]) for m in MODES}
         rec, mem, load, kv = (stats[f"{m}_ms"]["mean"] for m in MODES)
         warm = self.cache.statistics().as_dict().get("warm", {})
+        timed = {name: n - untimed.get(name, 0) for name, n in self._warm_transports().items()
+                 if n - untimed.get(name, 0)}
         return {
             "model": self.model_id,
             "prompt_tokens": self.job.prompt_tokens,
             "cached_tokens": self.prefix_tokens,
             "codec": self.cache.namespace.codec,
+            "transport": self.transport,
+            "nixl_ready": self.nixl_ready,
+            "transports": timed,
             **stats,
             "reduction": 1.0 - kv / rec if rec else 0.0,
             "overhead_vs_inmemory": kv / mem - 1.0 if mem else 0.0,
@@ -268,6 +292,10 @@ class TtftBench:
             "warm_tier": warm,
             **({"cluster": self.cache.cluster_statistics().as_dict()} if self.targets_cluster else {}),
         }
+
+    def _warm_transports(self) -> dict[str, int]:
+        """Blocks the daemons served this cache so far, by the transport that carried them."""
+        return dict(self.cache.statistics().warm.transports)
 
     def close(self) -> None:
         self.cache.close()
