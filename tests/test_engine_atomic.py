@@ -7,6 +7,7 @@ change durable."""
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 import pytest
@@ -344,3 +345,62 @@ def test_put_received_in_place_whose_durable_commit_fails_is_taken_back(fault):
         dev.fail_writes = dev.fail_syncs = False
     engine.put_many(sent, durable=True)  # the same blocks, stored now
     check_after_restarts(engine, cfg, devs, ids, snapshot(engine, ids))
+
+
+class HeldFailingSyncs(FaultyDevice):
+    """Syncs wait for ``release`` once ``held`` is set, then fail if ``fail_syncs`` is set by then
+    (``waiting``: an event the devices of one array share, set by the first sync held)."""
+
+    def __init__(self, inner, waiting: threading.Event):
+        super().__init__(inner)
+        self.held, self.release, self.waiting = False, threading.Event(), waiting
+
+    def sync(self) -> None:
+        if self.held:
+            self.waiting.set()
+            assert self.release.wait(30), "the test never released the sync"
+        super().sync()
+
+
+@pytest.mark.parametrize("name", ["delete", "pin", "unpin", "delete_namespace"])
+def test_a_failed_commit_of_records_another_writer_appended_behind_changes_nothing(name):
+    """The records' group commit runs without the lock: a buffered PUT appends behind them while
+    it is in flight, so a failed one cannot zero them; they are rewritten as tombstones that name
+    no block, and the request changed nothing, in memory, after a crash and after the next flush."""
+    cfg = EngineConfig(device_paths=("m0", "m1"), stripe_size_bytes=MiB // 4, region_size_bytes=MiB)
+    waiting = threading.Event()
+    devs = [HeldFailingSyncs(MemoryDevice(DATA_OFFSET_BYTES + 4 * MiB, f"m{i}"), waiting) for i in range(2)]
+    Engine.format(cfg, devices=devs)
+    engine = Engine.open(cfg, devices=devs)
+    for i in range(8):
+        engine.put(block(i, 20_000), durable=True)
+    engine.pin_many([key(1)])
+    ids = list(range(8)) + [40]
+    before = snapshot(engine, ids)
+    for dev in devs:
+        dev.held = True
+    errors = []
+
+    def request() -> None:
+        try:
+            OPS[name](engine)
+        except DeviceError as exc:
+            errors.append(exc)
+    blocked = threading.Thread(target=request)
+    blocked.start()
+    assert waiting.wait(5)
+    engine.put(block(40, 3000))  # appended behind the records, while their commit is in flight
+    for dev in devs:
+        dev.fail_syncs = True
+        dev.release.set()
+    blocked.join(10)
+    assert not blocked.is_alive() and len(errors) == 1 and "injected" in str(errors[0])
+    expected = {**before, 40: False}
+    assert snapshot(engine, ids) == expected
+    crashed = Engine.open(cfg, devices=crash_copy(devs))
+    assert snapshot(crashed, ids[:-1]) == snapshot(engine, ids[:-1])  # 40 was buffered: a crash may lose it
+    crashed.close()
+    for dev in devs:
+        dev.held, dev.fail_syncs = False, False
+    engine.flush()
+    check_after_restarts(engine, cfg, devs, ids, expected)

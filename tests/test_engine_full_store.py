@@ -192,6 +192,52 @@ def test_gets_and_lookups_do_not_wait_for_a_writers_sync(writer):
         engine.close()
 
 
+@pytest.mark.parametrize("writer", ["delete", "pin", "unpin", "delete_namespace"])
+def test_gets_and_lookups_do_not_wait_for_a_deletes_or_pins_sync(writer):
+    cfg = EngineConfig(device_paths=("h0",), stripe_size_bytes=MiB // 2, region_size_bytes=MiB,
+                       pinned_fraction_max=1.0)
+    dev = HeldSyncs(DATA_OFFSET_BYTES + 8 * MiB, "h0")
+    Engine.format(cfg, devices=[dev])
+    engine = Engine.open(cfg, devices=[dev])
+    try:
+        engine.put_many([block(i, 200_000) for i in range(6)])
+        engine.pin_many([key(4)])
+        seal(engine)  # 0-4 sealed on flash, 5 in the open region
+        dev.held = True
+        act = {"delete": lambda: engine.delete_many([key(1)]), "pin": lambda: engine.pin_many([key(3)]),
+               "unpin": lambda: engine.unpin_many([key(4)]),
+               "delete_namespace": lambda: engine.delete_namespace(bytes([0xEE] * 16))}[writer]
+        results = []
+        blocked = threading.Thread(target=lambda: results.append(act()))
+        blocked.start()
+        assert dev.waiting.wait(5)
+        blocked.join(0.2)
+        assert blocked.is_alive(), f"the {writer} should be waiting for its sync"
+        answers = []
+        reader = threading.Thread(target=lambda: answers.extend(
+            [engine.lookup([key(i) for i in (0, 2, 3, 4, 5)]), engine.get(key(2)), engine.get(key(5)),
+             engine.put(block(97, 5000))]))
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), f"a GET, LOOKUP or buffered PUT waited behind a {writer}'s sync"
+        assert answers[0] == 5 and same_block(answers[1], block(2, 200_000)) and same_block(answers[2], block(5, 200_000))
+        again = threading.Thread(target=lambda: results.append(act()))  # its change is there: it waits for it to last
+        again.start()
+        again.join(0.2)
+        assert again.is_alive(), f"a second {writer} answered before the first one's records were durable"
+        dev.release.set()
+        blocked.join(10)
+        again.join(10)
+        assert not blocked.is_alive() and not again.is_alive() and len(results) == 2
+        pinned = {i: (engine.block_info(key(i)) or {}).get("pinned") for i in (1, 3, 4)}
+        assert pinned == {"delete": {1: None, 3: False, 4: True}, "pin": {1: False, 3: True, 4: True},
+                          "unpin": {1: False, 3: False, 4: False},
+                          "delete_namespace": {1: False, 3: False, 4: True}}[writer]
+    finally:
+        dev.release.set()
+        engine.close()
+
+
 # -- group commit ------------------------------------------------------------------
 class SlowSyncs(MemoryDevice):
     def sync(self) -> None:

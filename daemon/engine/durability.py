@@ -24,8 +24,9 @@ then takes its blocks back with tombstones (take_back.take_back_failed_commit), 
 later commit writes (:meth:`Durability.owe_entries`) until one succeeds.
 
 Metadata records (tombstones, pins) are summary entries of the open region;
-:meth:`Durability.record` appends one, :meth:`Durability.persist_records` makes them last
-(under the lock, for callers that hold it across the change they promise).
+:meth:`Durability.record` appends one; a DELETE, PIN or UNPIN makes them last by a group
+commit with entries. :meth:`Durability.persist_records` writes them under the lock (the
+tombstones of a failed commit, written at once).
 """
 from __future__ import annotations
 
@@ -254,6 +255,11 @@ class Durability:
             image.durable_end = image.data_end
             if with_entries:
                 image.durable_entries = image.entry_count
+
+    def wait_for_commits(self) -> None:
+        """Until no commit is in flight (under the lock, let go of while waiting)."""
+        while self._in_flight:
+            self._commit_done.wait()
 
     def owe_entries(self) -> None:
         """Records were appended that must last though their caller got no promise (tombstones for

@@ -2,14 +2,18 @@
 the open region's summary -- a tombstone, namespace tombstone, pin or unpin -- makes each
 change last. Every call is durable when it returns (its records are written and synced).
 
-Each call is all-or-nothing as its caller sees it: what can fail is done before anything
-changes in memory. Room for every record is taken first (that may seal the open region or
-reclaim one, which may fail: NoSpaceError, nothing changed); the records are then appended
-and made durable; only then do the index and the region table change. A DELETE, UNPIN or
-namespace delete on a store with no room left tries once more with its change applied in
-memory -- dropping or unpinning blocks may be what makes a region reclaimable -- and undoes
-it if that fails too. A record that could not be made durable (DeviceError) is taken back
-out of the open region's image, so no later write carries it (:mod:`.take_back`).
+Each call is all-or-nothing as its caller sees it. Room for every record is taken first (that
+may seal the open region or reclaim one, which may fail: NoSpaceError, nothing changed); a
+DELETE, UNPIN or namespace delete on a store with no room left tries once more with its
+change applied in memory -- dropping or unpinning blocks may be what makes a region
+reclaimable -- and undoes it if that fails too. Then, under the engine lock, the change is
+applied to the index and the region table (so no reclaim moves a deleted block under a new
+seq, or evicts a block being pinned) and its records appended; the lock is let go of and a
+group commit makes them durable (``Durability.commit``), so no reader or writer waits for
+that sync. If the commit fails (DeviceError), the change is undone in memory and the records
+taken back (:mod:`.take_back`). Meanwhile the change is visible: a request that finds
+nothing to change while another one's change is not durable yet waits for a commit too, so
+that what it answers lasts.
 
 Soft pins (:mod:`.soft_pins`, ``ttl_s``) change memory only. Pinned bytes -- hard and soft --
 are limited to ``pinned_fraction_max`` of the store's capacity: a PIN past it is refused
@@ -27,7 +31,7 @@ from . import regionfmt as fmt
 from .allocator import Allocator
 from .blockmap import BlockMap
 from .durability import Durability
-from .errors import EngineError, NoSpaceError, PinLimitError
+from .errors import DeviceError, EngineError, NoSpaceError, PinLimitError
 from .index import PINNED_BIT, SEQ_DELTA_MAX
 from .raid0 import StripedArray
 from .recovery import read_region_entries
@@ -35,7 +39,7 @@ from .regions import RegionState
 from .seqs import SeqCounter
 from .soft_pins import SoftPins, check_ttl_s
 from .statistics import EngineCounters
-from .take_back import appends_or_nothing
+from .take_back import AppendedRecords, appends_or_nothing, mark_records, take_back_failed_records
 
 
 class PinsAndDeletes:
@@ -57,6 +61,7 @@ class PinsAndDeletes:
         # the regions that hold blocks: all but the clean ones the region manager keeps in reserve
         self._data_regions = self._table.region_count if data_regions is None else data_regions
         self.soft = SoftPins(clock)
+        self._unsettled = 0  # requests whose records are appended and their commit not done
 
     # -- pinned bytes ------------------------------------------------------
     @property
@@ -98,20 +103,21 @@ class PinsAndDeletes:
             self._allocator.wait_unreserved()
             slots = self._index.find_many(k0, k1)
             unique = np.unique(slots[slots >= 0])
-            if not len(unique):
-                return (slots >= 0).tolist()
-            doomed = self._targets(unique)
-            applied = self._room_for_records(len(unique), lambda: self._forget_tentatively(unique))
-            if applied is None:
-                slots = self._index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
-                unique = np.unique(slots[slots >= 0])
+            settle, appended = self._unsettled > 0, None
+            if len(unique):
                 doomed = self._targets(unique)
-            with self._records_or_nothing(applied):
-                for k0_, k1_, seq in doomed:
-                    self._durability.record(fmt.KIND_TOMBSTONE, k0_, k1_, fmt.NO_NAMESPACE, seq)
-                self._durability.persist_records()
-            if applied is None:
-                self._blocks.forget(unique)
+                undo = self._room_for_records(len(unique), lambda: self._forget_tentatively(unique))
+                if undo is None:
+                    slots = self._index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
+                    unique = np.unique(slots[slots >= 0])
+                    doomed = self._targets(unique)
+                    undo = self._forget_tentatively(unique)
+                appended = self._append_records([(fmt.KIND_TOMBSTONE, k0_, k1_, fmt.NO_NAMESPACE, seq)
+                                                 for k0_, k1_, seq in doomed], undo)
+        if appended is None:
+            return self._after_unsettled(settle, slots)
+        self._commit_records(appended, undo)
+        with self._lock:
             self.soft.discard((k0_, k1_) for k0_, k1_, _ in doomed)
         return (slots >= 0).tolist()
 
@@ -131,14 +137,14 @@ class PinsAndDeletes:
                 roomy = False
             allocator.reap_seal(wait=True)
             slots = self._namespace_slots(ns_id)
-            applied = None if roomy else self._room_for_records(1, lambda: self._forget_tentatively(slots))
             keys = list(zip(self._index.k0[slots].tolist(), self._index.k1[slots].tolist()))
+            undo = None if roomy else self._room_for_records(1, lambda: self._forget_tentatively(slots))
+            if undo is None:
+                undo = self._forget_tentatively(slots)
             k0, k1 = fmt.key_to_halves(ns_id)
-            with self._records_or_nothing(applied):
-                self._durability.record(fmt.KIND_NS_TOMBSTONE, k0, k1, ns_id, self._seqs.next)
-                self._durability.persist_records()
-            if applied is None:
-                self._blocks.forget(slots)
+            appended = self._append_records([(fmt.KIND_NS_TOMBSTONE, k0, k1, ns_id, self._seqs.next)], undo)
+        self._commit_records(appended, undo)
+        with self._lock:
             self.soft.discard(keys)
         return int(len(slots))
 
@@ -185,13 +191,22 @@ class PinsAndDeletes:
                 self.soft.pin(pairs, ttl_s)
                 return (slots >= 0).tolist()
             flip = self._unpinned_slots(slots)
+            settle, appended = self._unsettled > 0, None
             if len(flip):
                 self._check_pin_limit(self._not_soft(flip))
                 self._reserve_records(len(flip))
                 slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
                 flip = self._unpinned_slots(slots)
                 self._check_pin_limit(self._not_soft(flip))
-            self._set_hard(flip, True)
+                changed = self._targets(flip)
+                undo = self._set_hard_tentatively(flip, True)
+                appended = self._append_records([(fmt.KIND_PIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
+                                                 for k0_, k1_, seq in changed], undo)
+        if appended is None:
+            return self._after_unsettled(settle, slots)
+        self._commit_records(appended, undo)
+        with self._lock:
+            self.soft.discard((k0_, k1_) for k0_, k1_, _ in changed)  # a hard pin replaces a soft one
         return (slots >= 0).tolist()
 
     def unpin(self, keys: Sequence) -> list[bool]:
@@ -205,17 +220,23 @@ class PinsAndDeletes:
             self._allocator.wait_unreserved()
             slots = index.find_many(k0, k1)
             flip = self._hard_slots(slots)
+            appended = undo = None
             if len(flip):
                 targets = self._targets(flip)
-                applied = self._room_for_records(len(flip), lambda: self._unpin_tentatively(flip))
-                if applied is None:
+                undo = self._room_for_records(len(flip), lambda: self._unpin_tentatively(flip))
+                if undo is None:
                     slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
-                    self._set_hard(self._hard_slots(slots), False)
-                else:  # unpinned already: that is what let a region be reclaimed (the block may be gone)
-                    with self._records_or_nothing(applied):
-                        for k0_, k1_, seq in targets:
-                            self._durability.record(fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
-                        self._durability.persist_records()
+                    flip = self._hard_slots(slots)
+                    targets = self._targets(flip)
+                    undo = self._unpin_tentatively(flip)
+                # else unpinned already: that is what let a region be reclaimed (the block may be gone)
+                appended = self._append_records([(fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
+                                                 for k0_, k1_, seq in targets], undo)
+            settle = appended is None and self._unsettled > 0
+        if appended is not None:
+            self._commit_records(appended, undo)
+        self._after_unsettled(settle, slots)
+        with self._lock:
             if len(self.soft):
                 self.soft.discard(zip(k0.tolist(), k1.tolist()))
         return (slots >= 0).tolist()
@@ -234,19 +255,17 @@ class PinsAndDeletes:
             return slots
         return slots[~np.isin(slots, self.soft.live_slots(self._index))]
 
-    def _set_hard(self, flip: np.ndarray, pinned: bool) -> None:
-        """Hard-pin (or unpin) these slots: their records made durable first, then memory."""
-        if not len(flip):
-            return
+    def _set_hard_tentatively(self, flip: np.ndarray, pinned: bool) -> Callable[[], None]:
+        """Hard-pin these slots in memory; the undo unpins again those still present and pinned."""
         index = self._index
-        changed = list(zip(index.k0[flip].tolist(), index.k1[flip].tolist(), self._blocks.seqs_of(flip).tolist()))
-        with self._records_or_nothing():
-            for k0_, k1_, seq in changed:
-                self._durability.record(fmt.KIND_PIN if pinned else fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
-            self._durability.persist_records()
-        if pinned:
-            self.soft.discard((k0_, k1_) for k0_, k1_, _ in changed)  # a hard pin replaces a soft one
+        keys = list(zip(index.k0[flip].tolist(), index.k1[flip].tolist()))
         self._set_pinned_in_memory(flip, pinned)
+
+        def undo() -> None:
+            found = index.find_many(np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64))
+            found = found[found >= 0]
+            self._set_pinned_in_memory(found[(index.meta[found] & np.uint32(PINNED_BIT)) != 0], False)
+        return undo
 
     def _set_pinned_in_memory(self, slots: np.ndarray, pinned: bool) -> None:
         index = self._index
@@ -283,7 +302,8 @@ class PinsAndDeletes:
             return undo
 
     def _forget_tentatively(self, slots: np.ndarray) -> Callable[[], None]:
-        """Drop these blocks from the index; the undo puts back those whose region was not reclaimed meanwhile."""
+        """Drop these blocks from the index; the undo puts back those whose region was not reclaimed
+        meanwhile, and whose key was not stored again meanwhile."""
         index, table = self._index, self._table
         regions = (index.addr[slots] // np.uint64(self._region_size)).astype(np.int64)
         kept = list(zip(index.k0[slots].tolist(), index.k1[slots].tolist(), index.addr[slots].tolist(),
@@ -293,6 +313,10 @@ class PinsAndDeletes:
 
         def undo() -> None:
             back = [row for row in kept if table.state[row[5]] != RegionState.FREE and int(table.base_seq[row[5]]) == row[6]]
+            if back:
+                absent = index.find_many(np.array([r[0] for r in back], np.uint64),
+                                         np.array([r[1] for r in back], np.uint64)) < 0
+                back = [row for row, gone in zip(back, absent.tolist()) if gone]
             for k0_, k1_, addr, length, meta, region, _ in back:
                 index.insert(k0_, k1_, addr, length, meta)
                 table.add_block(region, length, bool(meta & PINNED_BIT))
@@ -320,6 +344,37 @@ class PinsAndDeletes:
             raise EngineError(f"{count} keys in one request need {count * fmt.ENTRY_BYTES} bytes of records, more "
                               f"than a region holds ({self._allocator.capacity_bytes}); send fewer keys at once")
         self._allocator.ensure_room(0, count)
+
+    def _append_records(self, records: list[tuple], undo: Callable[[], None]) -> AppendedRecords:
+        """Append (kind, k0, k1, ns, target_seq) records, room for them reserved and the change
+        already applied in memory (``undo`` takes it back if appending raises)."""
+        appended = mark_records(self._allocator, self._table)
+        with self._records_or_nothing(undo):
+            self._durability.write_records(records)
+        appended.end = appended.image.entry_count
+        self._unsettled += 1
+        return appended
+
+    def _commit_records(self, appended: AppendedRecords, undo: Callable[[], None]) -> None:
+        """Make the appended records durable by a group commit, without the lock; if it fails,
+        the change is undone in memory and the records taken back (:mod:`.take_back`)."""
+        try:
+            self._durability.commit(with_entries=True)
+        except DeviceError:
+            with self._lock:
+                take_back_failed_records(self._allocator, self._table, self._durability, appended, self._region_size)
+                undo()
+            raise
+        finally:
+            with self._lock:
+                self._unsettled -= 1
+
+    def _after_unsettled(self, settle: bool, slots: np.ndarray) -> list[bool]:
+        """The answer of a request that changed nothing because another one's change, applied in
+        memory, is not durable yet: it waits for that change's commit (``settle``), without the lock."""
+        if settle:
+            self._durability.commit(with_entries=True)
+        return (slots >= 0).tolist()
 
     def _records_or_nothing(self, undo: Callable[[], None] | None = None):
         """Records appended inside this block are taken back out of the open image if it raises

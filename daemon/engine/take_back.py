@@ -22,12 +22,24 @@ each (its seq) goes into the open region's summary: written at once (best effort
 just failed) and by every later commit until one succeeds (``Durability.owe_entries``).
 From the first write that lands, no restart serves them; until then a crash may bring
 them back.
+
+A DELETE, PIN or UNPIN whose group commit fails (:func:`take_back_failed_records`) has its
+change undone in memory by its caller, and its records -- none acknowledged -- are taken back
+once no commit is in flight: zeroed as above if nothing was appended after them (the zeroed
+pages written once more, best effort), else rewritten in place as tombstones that name no
+block (target seq 0), so the entries after them keep their places; those are written at once
+(best effort) and, the image's durable mark moved back before them, by every later commit
+until one succeeds (``Durability.owe_entries``). Until a write of them lands, a crash may
+apply them. Records in a region sealed meanwhile cannot be taken back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from kvtier.common.aligned import align_down, align_up
 
 from . import regionfmt as fmt
 from .allocator import Allocator
@@ -129,3 +141,57 @@ def _durable_now(allocator: Allocator, addr: int, length: int, region_size_bytes
     if image is None:
         return not allocator.unsynced_writes
     return image is allocator.open and addr - region * region_size_bytes + length <= image.durable_end
+
+
+@dataclass
+class AppendedRecords:
+    """Where a request's metadata records lie in the open image (taken under the lock)."""
+
+    image: object
+    region: int
+    base_seq: int
+    first: int  # the entry number of the first of them
+    end: int
+    last_seq: int  # the image's last seq before them
+    table_last_seq: int
+    records_kept: int  # the region's table.meta_records before them
+
+
+def mark_records(allocator: Allocator, table: RegionTable) -> AppendedRecords:
+    """Before a request appends its records (room for all of them reserved: they go to this image)."""
+    image = allocator.open
+    region = image.region
+    return AppendedRecords(image, region, image.base_seq, image.entry_count, image.entry_count, image.last_seq,
+                           int(table.last_seq[region]), len(table.meta_records.get(region, ())))
+
+
+def take_back_failed_records(allocator: Allocator, table: RegionTable, durability: Durability,
+                             appended: AppendedRecords, region_size_bytes: int) -> None:
+    """After the commit that was to make these records durable failed (under the lock; let go
+    of while a commit is in flight, so that none lands an older copy of them after this)."""
+    durability.wait_for_commits()
+    image = appended.image
+    if not (allocator.active and allocator.open is image and (image.region, image.base_seq) ==
+            (appended.region, appended.base_seq)) or appended.end == appended.first:
+        return
+    image.wait_io_idle()
+    image.durable_entries = min(image.durable_entries, appended.first)
+    records = table.meta_records.get(appended.region, [])
+    if image.entry_count == appended.end and allocator.reservation is None:
+        ranges = image.take_back(image.data_end, appended.first, appended.last_seq)
+        table.last_seq[appended.region] = appended.table_last_seq
+        del records[appended.records_kept:]
+    else:
+        start = fmt.entry_position(image.size_bytes, appended.end - 1)
+        end = fmt.entry_position(image.size_bytes, appended.first) + fmt.ENTRY_BYTES
+        for number in range(appended.first, appended.end):
+            position = fmt.entry_position(image.size_bytes, number)
+            k0, k1, _, seq, *_ = fmt.ENTRY_STRUCT.unpack_from(image.buffer, position)
+            fmt.pack_entry(image.buffer, position, k0, k1, fmt.NO_NAMESPACE, seq, 0, 0, 0, fmt.KIND_TOMBSTONE)
+        mine = range(appended.records_kept, appended.records_kept + appended.end - appended.first)
+        for i in mine if mine.stop <= len(records) else ():
+            k0, k1, _, _, seq, _ = records[i]
+            records[i] = (fmt.KIND_TOMBSTONE, k0, k1, fmt.NO_NAMESPACE, seq, 0)
+        ranges = [(align_down(start), align_up(end))]
+        durability.owe_entries()
+    _cover(durability.write_and_sync, appended.region * region_size_bytes, image, ranges)
