@@ -15,6 +15,13 @@ taken back (:mod:`.take_back`). Meanwhile the change is visible: a request that 
 nothing to change while another one's change is not durable yet waits for a commit too, so
 that what it answers lasts.
 
+Known limits, all on a failed commit with other requests running: records sealed into a
+region before the take-back cannot be taken back (a restart may apply them); until a write of
+the taken-back records lands, a crash may apply them; a "nothing to change" request covered
+by a commit that succeeded may answer success for a change that is then undone; a reclaim in
+that window may keep a moved block's pinned flag, or its eviction, after a failed PIN or
+UNPIN; UNPIN's undo re-pins by key, so it may pin a block PUT again in that window.
+
 Soft pins (:mod:`.soft_pins`, ``ttl_s``) change memory only. Pinned bytes -- hard and soft --
 are limited to ``pinned_fraction_max`` of the store's capacity: a PIN past it is refused
 (:class:`.errors.PinLimitError`) and changes nothing; PUTs are never refused for pins.
