@@ -27,7 +27,7 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from kvtier.common.addresses import AddressError, format_address, parse_address
+from kvtier.common.addresses import AddressError, format_address, parse_daemon_address
 from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, MemberRecord, is_cluster_url, parse_cluster_url
 
 from .routing import MEMBERS_MAX, Rendezvous
@@ -210,11 +210,9 @@ class StaticMembers:
         members = []
         for text in addresses:
             try:
-                host, port = parse_address(text, what="member address")
+                host, port = parse_daemon_address(text, what="member address")
             except AddressError as exc:
                 raise ValueError(str(exc)) from None
-            if port == 0:
-                raise ValueError(f"member address {text!r}: port 0 is not a daemon's port")
             address = format_address(host, port)
             members.append(Member(address, address))
         if not members or len(members) > MEMBERS_MAX:

@@ -37,6 +37,15 @@ def parse_address(text: str, *, what: str = "address", default_port: int | None 
     return host, int(port)
 
 
+def parse_daemon_address(text: str, *, what: str = "address") -> tuple[str, int]:
+    """:func:`parse_address` of an address a client dials: port 0 (the kernel picks one when
+    binding) names no daemon and is refused."""
+    host, port = parse_address(text, what=what)
+    if port == 0:
+        raise AddressError(f"{what}: {text.strip()!r} has port 0, which is not a daemon's port")
+    return host, port
+
+
 def format_address(host: str, port: int) -> str:
     """The text :func:`parse_address` reads back."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

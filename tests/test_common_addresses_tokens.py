@@ -1,7 +1,7 @@
 """The one address parser / formatter and the one token-file reader every part uses."""
 import pytest
 
-from kvtier.common.addresses import AddressError, format_address, parse_address
+from kvtier.common.addresses import AddressError, format_address, parse_address, parse_daemon_address
 from kvtier.common.tokens import TOKEN_FILE_BYTES_MAX, TokenFileError, read_token_file, token_matches
 
 
@@ -29,6 +29,14 @@ def test_bad_addresses_name_the_setting(text, words):
     with pytest.raises(AddressError, match=words) as err:
         parse_address(text, what="listen")
     assert str(err.value).startswith("listen: ")
+
+
+def test_a_daemon_address_has_a_port_to_dial():
+    assert parse_daemon_address(" [::1]:7410 ", what="member") == ("::1", 7410)
+    with pytest.raises(AddressError, match=r"member: 'h:0' has port 0, which is not a daemon's port"):
+        parse_daemon_address("h:0", what="member")
+    with pytest.raises(AddressError, match="is not HOST:PORT"):
+        parse_daemon_address("h", what="member")
 
 
 def test_format_brackets_ipv6_only():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.common.addresses import AddressError, format_address, parse_address
+from kvtier.common.addresses import AddressError, format_address, parse_daemon_address
 from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, is_cluster_url, parse_cluster_url
 
 PREPLACE_BYTES_DEFAULT = 1 << 30  # 1 GiB per edge: a few hundred hot system prompts of a 7B model
@@ -42,11 +42,9 @@ def parse_edge_list(text: str) -> tuple[str, ...]:
     out = []
     for part in parts:
         try:
-            host, port = parse_address(part, what="preplace_edges")
+            host, port = parse_daemon_address(part, what="preplace_edges")
         except AddressError as exc:
             raise PreplaceConfigError(str(exc)) from None
-        if port == 0:
-            raise PreplaceConfigError(f"preplace_edges: {part!r} has port 0")
         out.append(format_address(host, port))
     if len(set(out)) != len(out):
         raise PreplaceConfigError(f"preplace_edges: {text!r} names an edge twice")

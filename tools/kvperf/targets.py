@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.common.addresses import AddressError, format_address, parse_address
+from kvtier.common.addresses import AddressError, format_address, parse_daemon_address
 from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, is_cluster_url, parse_cluster_url
 from kvtier.common.tokens import TokenFileError, read_token_file
 
@@ -68,11 +68,9 @@ def _tcp(text: str) -> TcpTarget:
         raise UsageError(f"target {text!r}: expected tcp://HOST:PORT, etcd://HOST:PORT/PREFIX "
                          "or direct:MAP@tcp://HOST:PORT")
     try:
-        host, port = parse_address(body, what=f"target {text!r}")
+        host, port = parse_daemon_address(body, what=f"target {text!r}")
     except AddressError as exc:
         raise UsageError(f"{exc} (expected tcp://HOST:PORT)") from None
-    if port == 0:
-        raise UsageError(f"target {text!r}: port 0 is not a daemon's port")
     return TcpTarget(host, port)
 
 
