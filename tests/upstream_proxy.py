@@ -77,11 +77,7 @@ class FrameProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut_both(src, dst)
 
     def _replies(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -111,11 +107,7 @@ class FrameProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut_both(src, dst)
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -126,3 +118,12 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
+
+
+def _shut_both(*socks: socket.socket) -> None:
+    """Shut both directions of each socket (already closed ones too), so the other pipe ends."""
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
