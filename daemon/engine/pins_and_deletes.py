@@ -106,9 +106,7 @@ class PinsAndDeletes:
             return []
         k0, k1 = fmt.keys_to_halves(keys)
         with self._lock:
-            self._check_open()
-            self._allocator.wait_unreserved()
-            slots = self._index.find_many(k0, k1)
+            slots = self._slots_to_change(k0, k1)
             unique = np.unique(slots[slots >= 0])
             settle, appended = self._unsettled > 0, None
             if len(unique):
@@ -175,6 +173,13 @@ class PinsAndDeletes:
             doomed.append(slots[ok])
         return np.unique(np.concatenate(doomed)) if doomed else np.zeros(0, np.int64)
 
+    def _slots_to_change(self, k0, k1) -> np.ndarray:
+        """Under the engine lock: the keys' index slots (-1: absent) once the engine is open and
+        no in-place PUT holds a reservation in the open region."""
+        self._check_open()
+        self._allocator.wait_unreserved()
+        return self._index.find_many(k0, k1)
+
     # -- pins --------------------------------------------------------------
     def pin(self, keys: Sequence, ttl_s: float | None = None) -> list[bool]:
         """Pin the present keys: hard (a durable record) without ``ttl_s``, else soft for
@@ -186,9 +191,7 @@ class PinsAndDeletes:
         k0, k1 = fmt.keys_to_halves(keys)
         index = self._index
         with self._lock:
-            self._check_open()
-            self._allocator.wait_unreserved()
-            slots = index.find_many(k0, k1)
+            slots = self._slots_to_change(k0, k1)
             if ttl_s is not None:
                 unique = np.unique(slots[slots >= 0])
                 unpinned = unique[(index.meta[unique] & np.uint32(PINNED_BIT)) == 0]
@@ -223,9 +226,7 @@ class PinsAndDeletes:
         k0, k1 = fmt.keys_to_halves(keys)
         index = self._index
         with self._lock:
-            self._check_open()
-            self._allocator.wait_unreserved()
-            slots = index.find_many(k0, k1)
+            slots = self._slots_to_change(k0, k1)
             flip = self._hard_slots(slots)
             appended = undo = None
             if len(flip):
