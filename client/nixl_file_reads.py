@@ -17,7 +17,6 @@ NIXL is imported only when a reader with this backend is made.
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -31,13 +30,12 @@ GDS_BACKENDS = ("GDS_MT", "GDS")  # GPU-memory file backends, best first
 
 
 def _load_nixl():
+    from .nixl_transport import NixlUnavailable, load_nixl
+
     try:
-        from nixl_cu12 import _api
-    except ImportError as exc:
-        raise ValueError(f"the nixl direct-read backend needs NIXL ({exc}): pip install 'kvtier[nixl]'") from None
-    if "NIXL_LOG_LEVEL" not in os.environ:
-        logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
-    return _api
+        return load_nixl()
+    except NixlUnavailable as exc:
+        raise ValueError(f"the nixl direct-read backend needs NIXL: {exc}") from None
 
 
 def gds_backend() -> tuple[str | None, str]:

@@ -69,7 +69,7 @@ class NixlFetchFailed(RuntimeError):
     """A NIXL_GET that delivered nothing usable (refused, failed, timed out): fetch over TCP."""
 
 
-def _load_nixl():
+def load_nixl():
     try:
         from nixl_cu12 import _api
     except ImportError as exc:
@@ -107,7 +107,7 @@ class ClientAgent:
             return cls._instance
 
     def __init__(self, loopback_only: bool):
-        api = _load_nixl()
+        api = load_nixl()
         self.plan: TransportPlan = apply_ucx_environment(True, loopback_only)
         self.name = f"kvtier-client-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
