@@ -24,6 +24,7 @@ from kvtier.common.blockformat import HEADER_SIZE, encode_header
 from kvtier.common.keys import KVLayout
 
 from .block_payload import copy_tensor, host_bits
+from .source_blocks import SourceBlocks, source_blocks, source_blocks_of_tensors
 
 SEND_BUFFERS_BYTES_MAX = 1 << 30  # idle send buffers kept for reuse; more are freed as they come back
 LZ4_GROWTH_BYTES = 1 << 16  # what lz4 may add to incompressible input of a block (plus 1/255 of it)
@@ -147,6 +148,20 @@ class BlockEncoder:
         ``sealed=False`` leaves the headers to :meth:`EncodedBlocks.seal`."""
         return self._build(keys, lambda i, payload: self._gather_into(kv, first_block + i, payload, seq_tokens),
                            sealed)
+
+    def encode_from_source(self, kv: Sequence, first_block: int, keys: Sequence[bytes]) -> SourceBlocks | None:
+        """:meth:`encode`, sealed, with the blocks sent from ``kv`` itself (raw codec, host KV,
+        contiguous rows; else None): for a caller that keeps ``kv`` unchanged until the PUT ends."""
+        if self._raw_header is None:
+            return None
+        return source_blocks(kv, self.layout, first_block, keys, self.layers, self.ns_id, self.codec.codec_id,
+                             self._raw_header)
+
+    def tensors_from_source(self, blocks: Sequence, keys: Sequence[bytes]) -> SourceBlocks | None:
+        """:meth:`encode_tensors`, sealed, sent from the tensors themselves (see :meth:`encode_from_source`)."""
+        if self._raw_header is None:
+            return None
+        return source_blocks_of_tensors(blocks, keys, self.shape, self.ns_id, self.codec.codec_id, self._raw_header)
 
     def encode_tensors(self, blocks: Sequence, keys: Sequence[bytes], sealed: bool = True) -> "EncodedBlocks":
         """:meth:`encode` of tensors (or arrays) of this encoder's shape, e.g. gathered from a paged cache."""

@@ -48,6 +48,26 @@ def check_kv(kv: Sequence, layout: KVLayout) -> int:
     return tokens or 0
 
 
+def out_tokens(out, layout: KVLayout, device) -> int:
+    """The tokens a caller's load output holds: ``out`` must be an ``[L, 2, 1, H, T, D]`` tensor of
+    the layout's dtype on ``device``; ValueError naming what does not fit."""
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch tensor [L, 2, 1, H, T, D], got {type(out).__name__}")
+    want = (layout.num_layers, 2, 1, layout.num_kv_heads, layout.head_dim)
+    shape = tuple(out.shape)
+    if len(shape) != 6 or shape[:4] + shape[5:] != want:
+        raise ValueError(f"out has shape {shape}, expected [{layout.num_layers}, 2, 1, {layout.num_kv_heads}, "
+                         f"tokens, {layout.head_dim}]")
+    if out.dtype != torch_dtype(layout):
+        raise ValueError(f"out is {out.dtype}, the namespace layout is {layout.dtype}")
+    want_device = torch.device(device)
+    if out.device.type != want_device.type or want_device.index not in (None, out.device.index):
+        raise ValueError(f"out is on {out.device}, the cache loads to {device}")
+    return shape[4]
+
+
 def blocks_from_kv(kv: Sequence, layout: KVLayout, first_block: int, num_blocks: int):
     """Blocks ``first_block .. first_block+num_blocks`` of ``kv`` as one
     contiguous tensor ``[num_blocks, *block_shape]`` on kv's device."""
@@ -116,3 +136,22 @@ def host_bits(t):
 def layers_of(out) -> list:
     """``[(k, v), ...]`` views of an ``[L, 2, 1, H, T, D]`` tensor."""
     return [(out[layer, 0], out[layer, 1]) for layer in range(out.shape[0])]
+
+
+def as_tensor(block):
+    import torch
+
+    return block if isinstance(block, torch.Tensor) else torch.from_numpy(block)
+
+
+def as_token_list(tokens) -> list[int]:
+    """Token ids as a Python list (accepts lists, NumPy arrays, 1-D or
+    ``[1, T]`` torch tensors)."""
+    if hasattr(tokens, "detach"):
+        tokens = tokens.detach().cpu()
+        if tokens.dim() == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D or [1, T], got shape {tuple(tokens.shape)}")
+        return tokens.tolist()
+    return list(tokens)

@@ -30,7 +30,6 @@ cluster whose members are watched in etcd: each key goes to ``replicas`` (defaul
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import threading
@@ -42,15 +41,17 @@ from typing import Iterator, Mapping, Sequence
 
 from kvtier.kernels import MixedCodec, get_codec
 
+from .async_twins import AsyncTwins
 from .block_decoder import BlockDecoder
 from .block_encoder import BlockEncoder, gather_block
-from .block_payload import check_kv, copy_block_into, copy_tensor, layers_of
+from .block_payload import as_tensor, as_token_list, check_kv, copy_block_into, copy_tensor, layers_of, out_tokens
 from .direct_reader import DirectReader
 from .hot_pool import HotPool
 from .output_buffers import OUTPUT_BUFFERS_BYTES_MAX, LoadOutputs
 from .group_streamer import stream_groups
 from .prefix_load import PrefixLoad
 from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
+from .store_pipeline import chunk_bounds, run_pipelined
 from kvtier.common.cluster_url import is_cluster_url
 from kvtier.common.keys import Namespace
 from .owner_pool import FixedMembers, OwnerPool
@@ -83,7 +84,7 @@ class LoadedPrefix:
         return self.blocks_hot + self.blocks_warm
 
 
-class KVCache:
+class KVCache(AsyncTwins):
     """The engine-side cache. See the module doc; thread-safe."""
 
     def __init__(self, namespace: Namespace, addresses: str | Sequence[str], token: str | None = None,
@@ -130,6 +131,7 @@ class KVCache:
         self._io = ThreadPoolExecutor(max_workers=self._streams * io_owners, thread_name_prefix="kvtier-get")
         # a streaming load's layer-group fetches: they wait on _io, and their driver on them
         self._group_fetches = ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="kvtier-group")
+        self._store_puts = ThreadPoolExecutor(max_workers=self._streams, thread_name_prefix="kvtier-store")
         self._warm: WarmTier | None = None
         try:
             if cluster:
@@ -178,7 +180,7 @@ class KVCache:
 
     # --- keys and lookup ---------------------------------------------------
     def keys_for(self, tokens) -> list[bytes]:
-        return self.namespace.keys(_as_token_list(tokens))
+        return self.namespace.keys(as_token_list(tokens))
 
     @property
     def direct_enabled(self) -> bool:
@@ -198,15 +200,19 @@ class KVCache:
         return hot + self._warm.lookup(keys[hot:])
 
     # --- load ----------------------------------------------------------------
-    def load(self, tokens, max_tokens: int | None = None) -> LoadedPrefix:
+    def load(self, tokens, max_tokens: int | None = None, out=None) -> LoadedPrefix:
         """The longest stored prefix of ``tokens`` (at most ``max_tokens``), as
         per-layer K and V on the cache's device. Raw blocks bound for the host are
-        received straight into the output (one LOOKUP sizes it first)."""
+        received straight into the output (one LOOKUP sizes it first). ``out``: the
+        caller's ``[L, 2, 1, H, T, D]`` tensor to load into (the prefix is cut to its T
+        tokens; the layers returned are views of it), else a pooled output."""
+        if out is not None:
+            max_tokens = min(out_tokens(out, self.layout, self.device), max_tokens if max_tokens is not None else 1 << 62)
         keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
         if self.codec.name == "raw" and str(self.device) == "cpu":
-            return self._load_in_place(keys)
+            return self._load_in_place(keys, out)
         with self._held(keys, prefix_only=True) as held:
-            out = self._outputs.kv(len(held.blocks))
+            out = self._outputs.kv(len(held.blocks)) if out is None else out
             n = 0
             for block in held.blocks:
                 if isinstance(block, _Staged):
@@ -216,8 +222,7 @@ class KVCache:
                     copy_block_into(out, n, block, self.layout)
                 n += 1
         b = self.layout.block_tokens
-        layers = tuple((k[:, :, :n * b], v[:, :, :n * b]) for k, v in layers_of(out)) if n < len(held.blocks) \
-            else tuple(layers_of(out))
+        layers = tuple((k[:, :, :n * b], v[:, :, :n * b]) for k, v in layers_of(out))
         return LoadedPrefix(num_tokens=n * b, layers=layers, blocks_hot=min(held.hot, n),
                             blocks_warm=n - min(held.hot, n), transports=dict(held.transports))
 
@@ -264,10 +269,10 @@ class KVCache:
             self._executor.submit(self._stream_groups, load, out, warm_keys, hot)
         return load
 
-    def _load_in_place(self, keys: list[bytes]) -> LoadedPrefix:
+    def _load_in_place(self, keys: list[bytes], out=None) -> LoadedPrefix:
         """:meth:`load` as a :meth:`start_load` driven on this thread (a prefetch worker may be
         running it: waiting on a worker of its own pool could deadlock)."""
-        load, out, warm_keys, hot = self._begin_load(keys)
+        load, out, warm_keys, hot = self._begin_load(keys, out)
         if warm_keys:
             self._stream_groups(load, out, warm_keys, hot)
         tokens, layers = load.wait_prefix()
@@ -275,9 +280,9 @@ class KVCache:
         return LoadedPrefix(num_tokens=tokens, layers=layers, blocks_hot=min(hot, n), blocks_warm=n - min(hot, n),
                             transports=dict(load.transports))
 
-    def _begin_load(self, keys: list[bytes]) -> tuple[PrefixLoad, object, list[bytes], int]:
-        """A prefix load's first half: the hot blocks leased and copied into a fresh output,
-        one LOOKUP for the rest. (load, output, warm keys to fetch, hot blocks)."""
+    def _begin_load(self, keys: list[bytes], out=None) -> tuple[PrefixLoad, object, list[bytes], int]:
+        """A prefix load's first half: the hot blocks leased and copied into the output (``out``,
+        or a pooled one), one LOOKUP for the rest. (load, output, warm keys to fetch, hot blocks)."""
         with self._counters_lock:
             self._requested += len(keys)
         started = time.perf_counter()
@@ -287,11 +292,12 @@ class KVCache:
                                       latency_s=time.perf_counter() - started)
             warm_keys = keys[hot:]
             warm = self._warm.lookup(warm_keys)
-            out = self._outputs.kv(hot + warm)
+            out = self._outputs.kv(hot + warm) if out is None else out
             for i in range(hot):
                 copy_block_into(out, i, lease.block(i), self.layout)
         self._stats["warm"].record(misses=len(warm_keys) - warm)  # absent at the LOOKUP: never fetched
-        load = PrefixLoad(self.layout, (hot + warm) * self.layout.block_tokens, tuple(layers_of(out)),
+        tokens = (hot + warm) * self.layout.block_tokens
+        load = PrefixLoad(self.layout, tokens, tuple((k[:, :, :tokens], v[:, :, :tokens]) for k, v in layers_of(out)),
                           blocks_hot=hot, blocks_warm=warm, transports={})
         if not warm:
             for group in range(self.layout.layer_groups):
@@ -310,7 +316,7 @@ class KVCache:
         return slice(index * b, (index + 1) * b)
 
     def _prefix_tokens(self, tokens, max_tokens: int | None) -> list[int]:
-        token_list = _as_token_list(tokens)
+        token_list = as_token_list(tokens)
         if max_tokens is not None:
             if max_tokens < 0:
                 raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -378,54 +384,65 @@ class KVCache:
         ``[1, kv_heads, T, head_dim]``) covers and the daemon does not hold
         yet; keep them hot. Returns the number of blocks written."""
         keys, kv_tokens = self._store_keys(tokens, kv)
+        return self._store_new(keys, kv, kv_tokens, durable)
+
+    def _store_new(self, keys: list[bytes], kv, kv_tokens: int, durable: bool) -> int:
         known = self._warm.lookup(keys)
         new = keys[known:]
         if not new:
             return 0
         self._keep_hot(new, lambda slot, i: gather_block(kv, self.layout, known + i, slot))
-        built = self._encode(kv, known, new, kv_tokens)
-        try:
-            return self._send(new, [group.blocks for group in built], durable)
-        finally:
-            _release(built)
+        return self._store_pipelined(new, lambda s, e: self._encode(kv, known + s, new[s:e], kv_tokens,
+                                                                   from_source=True), durable)
 
-    def store_async(self, tokens, kv, durable: bool = False) -> Future:
+    def store_async(self, tokens, kv, durable: bool = False, copy: bool = True) -> Future:
         """Write-behind :meth:`store`: the blocks are copied out of ``kv`` now (the engine
         may reuse its memory once this returns); the LOOKUP and PUT run on a background
         worker. The future holds the blocks written, 0 when the save queue was full (the
-        save is dropped and counted in ``statistics().saves``)."""
+        save is dropped and counted in ``statistics().saves``). ``copy=False`` copies
+        nothing on the caller's thread: the caller keeps ``kv`` unchanged until the future
+        is done (a finished request's KV), and the whole :meth:`store` runs behind."""
         keys, kv_tokens = self._store_keys(tokens, kv)
+        if not copy:
+            return self._saves.submit(len(keys) * self.layout.block_raw_bytes, len(keys),
+                                      lambda: self._store_new(keys, kv, kv_tokens, durable))
         self._keep_hot(keys, lambda slot, i: gather_block(kv, self.layout, i, slot))
         built = self._encode(kv, 0, keys, kv_tokens, sealed=False)
         return self._saves.submit(sum(group.nbytes for group in built), len(keys),
                                   lambda: self._send_new(keys, built, durable), on_drop=lambda: _release(built))
 
-    def _encode(self, kv, first_block: int, keys: list[bytes], kv_tokens: int, sealed: bool = True) -> list:
-        """Each layer group's objects of blocks ``first_block ..`` of ``kv``, in send buffers."""
+    def _encode(self, kv, first_block: int, keys: list[bytes], kv_tokens: int, sealed: bool = True,
+                from_source: bool = False) -> list:
+        """Each layer group's objects of blocks ``first_block ..`` of ``kv``, in send buffers (or,
+        ``from_source``, sent from ``kv`` itself where the encoder can)."""
         built: list = []
         try:
             for group, encoder in enumerate(self._encoders):
-                built.append(encoder.encode(kv, first_block, self._warm.objects_of(keys, [group]),
-                                            seq_tokens=kv_tokens, sealed=sealed))
+                keys_ = self._warm.objects_of(keys, [group])
+                objects = encoder.encode_from_source(kv, first_block, keys_) if from_source else None
+                built.append(objects if objects is not None else
+                             encoder.encode(kv, first_block, keys_, seq_tokens=kv_tokens, sealed=sealed))
         except BaseException:
             _release(built)
             raise
         return built
 
-    def _encode_tensors(self, keys: list[bytes], blocks: Sequence, sealed: bool = True) -> list:
+    def _encode_tensors(self, keys: list[bytes], blocks: Sequence, sealed: bool = True,
+                        from_source: bool = False) -> list:
         built: list = []
         try:
             for group, encoder in enumerate(self._encoders):
                 layers = self.layout.group_layers(group)
-                built.append(encoder.encode_tensors([b[layers.start:layers.stop] for b in blocks],
-                                                    self._warm.objects_of(keys, [group]), sealed=sealed))
+                parts, keys_ = [b[layers.start:layers.stop] for b in blocks], self._warm.objects_of(keys, [group])
+                objects = encoder.tensors_from_source(parts, keys_) if from_source else None
+                built.append(objects if objects is not None else encoder.encode_tensors(parts, keys_, sealed=sealed))
         except BaseException:
             _release(built)
             raise
         return built
 
     def _store_keys(self, tokens, kv) -> tuple[list[bytes], int]:
-        token_list = _as_token_list(tokens)
+        token_list = as_token_list(tokens)
         kv_tokens = check_kv(kv, self.layout)
         if kv_tokens > len(token_list):
             raise ValueError(f"kv covers {kv_tokens} tokens but only {len(token_list)} tokens were given")
@@ -437,18 +454,19 @@ class KVCache:
         self._check_blocks(keys, blocks)
         if not keys:
             return 0
-        self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
-        built = self._encode_tensors(keys, blocks)
-        try:
-            return self._send(keys, [group.blocks for group in built], durable)
-        finally:
-            _release(built)
+        self._keep_hot(keys, lambda slot, i: copy_tensor(slot, as_tensor(blocks[i])))
+        return self._store_pipelined(keys, lambda s, e: self._encode_tensors(keys[s:e], blocks[s:e],
+                                                                             from_source=True), durable)
 
-    def store_blocks_async(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> Future:
-        """Write-behind :meth:`store_blocks` (see :meth:`store_async`); no LOOKUP first."""
+    def store_blocks_async(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False,
+                           copy: bool = True) -> Future:
+        """Write-behind :meth:`store_blocks` (see :meth:`store_async`, and its ``copy``); no LOOKUP first."""
         keys = list(keys)
         self._check_blocks(keys, blocks)
-        self._keep_hot(keys, lambda slot, i: copy_tensor(slot, _as_tensor(blocks[i])))
+        if not copy:
+            return self._saves.submit(len(keys) * self.layout.block_raw_bytes, len(keys),
+                                      lambda: self.store_blocks(keys, blocks, durable))
+        self._keep_hot(keys, lambda slot, i: copy_tensor(slot, as_tensor(blocks[i])))
         built = self._encode_tensors(keys, blocks, sealed=False)
 
         def save() -> int:
@@ -481,6 +499,12 @@ class KVCache:
             return self._send(keys[known:], [group.blocks[known:] for group in built], durable)
         finally:
             _release(built)
+
+    def _store_pipelined(self, keys: list[bytes], build, durable: bool) -> int:
+        """PUT ``keys`` chunk by chunk, ``build(start, end)`` gathering a chunk while earlier ones are sent."""
+        return run_pipelined(chunk_bounds(len(keys), self.layout.block_raw_bytes), build,
+                             lambda s, e, built: self._send(keys[s:e], [g.blocks for g in built], durable),
+                             _release, self._store_puts, self._streams)
 
     def _send(self, keys: list[bytes], objects: list, durable: bool) -> int:
         sent = self._warm.send(keys, objects, durable)
@@ -527,6 +551,7 @@ class KVCache:
         self._saves.close()
         self._executor.shutdown(wait=True)
         self._group_fetches.shutdown(wait=True)
+        self._store_puts.shutdown(wait=True)
         self._io.shutdown(wait=True)
         if self._warm is not None:
             self._warm.close()
@@ -536,28 +561,6 @@ class KVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # --- async twins (the blocking work runs on the cache's worker threads) ---
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
-
-    async def alookup(self, tokens) -> int:
-        return await self._run(self.lookup, tokens)
-
-    async def alookup_keys(self, keys: Sequence[bytes]) -> int:
-        return await self._run(self.lookup_keys, keys)
-
-    async def aload(self, tokens, max_tokens: int | None = None) -> LoadedPrefix:
-        return await self._run(self.load, tokens, max_tokens)
-
-    async def aload_blocks(self, keys: Sequence[bytes]) -> list:
-        return await self._run(self.load_blocks, keys)
-
-    async def astore(self, tokens, kv, durable: bool = False) -> int:
-        return await self._run(self.store, tokens, kv, durable)
-
-    async def astore_blocks(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> int:
-        return await self._run(self.store_blocks, keys, blocks, durable)
 
 
 @dataclass(frozen=True)
@@ -578,22 +581,3 @@ class _Held:
 def _release(built: list) -> None:
     for group in built:
         group.release()
-
-
-def _as_tensor(block):
-    import torch
-
-    return block if isinstance(block, torch.Tensor) else torch.from_numpy(block)
-
-
-def _as_token_list(tokens) -> list[int]:
-    """Token ids as a Python list (accepts lists, NumPy arrays, 1-D or
-    ``[1, T]`` torch tensors)."""
-    if hasattr(tokens, "detach"):
-        tokens = tokens.detach().cpu()
-        if tokens.dim() == 2 and tokens.shape[0] == 1:
-            tokens = tokens[0]
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D or [1, T], got shape {tuple(tokens.shape)}")
-        return tokens.tolist()
-    return list(tokens)

@@ -150,7 +150,7 @@ def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, lim
     frames, keys, blocks, size = [], [], [], 0
     frame_bytes = min(limits.payload_bytes_max, PUT_FRAME_BYTES_TARGET)
     for key, block in items:
-        view = memoryview(block).cast("B")
+        view = block if isinstance(block, p.BlockParts) else memoryview(block).cast("B")
         if view.nbytes > limits.payload_bytes_max:
             raise ValueError(f"a block of {view.nbytes} bytes is over the frame payload limit {limits.payload_bytes_max}")
         if keys and (len(keys) == limits.batch_count_max or size + view.nbytes > frame_bytes):

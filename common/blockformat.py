@@ -71,8 +71,19 @@ def encode_header(
     view = memoryview(payload).cast("B")
     if view.nbytes >= PAYLOAD_SIZE_MAX:
         raise BlockFormatError(f"payload of {view.nbytes} bytes is over the limit {PAYLOAD_SIZE_MAX}")
+    return header_for_crc(key, ns_id, codec_id, view.nbytes, crc32c.crc32c(view), seq, flags)
+
+
+def header_for_crc(key: bytes, ns_id: bytes, codec_id: int, payload_len: int, payload_crc: int,
+                   seq: int = 0, flags: int = 0) -> bytes:
+    """The 64-byte header of a payload whose length and CRC32C are already known (a payload
+    in several pieces, its CRC chained over them)."""
+    if len(key) != KEY_SIZE or len(ns_id) != KEY_SIZE:
+        raise BlockFormatError(f"key and namespace id must be {KEY_SIZE} bytes, got {len(key)} and {len(ns_id)}")
+    if payload_len >= PAYLOAD_SIZE_MAX:
+        raise BlockFormatError(f"payload of {payload_len} bytes is over the limit {PAYLOAD_SIZE_MAX}")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, codec_id, flags, bytes(key), bytes(ns_id),
-                        view.nbytes, seq, crc32c.crc32c(view), 0)
+                        payload_len, seq, payload_crc, 0)
     return head[:_CRC_COVERED] + struct.pack("<I", crc32c.crc32c(head[:_CRC_COVERED]))
 
 

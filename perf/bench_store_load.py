@@ -10,8 +10,9 @@ after the other, so the references share the disk and the hour:
 
 1. kvtier: kvtierd on 4 device files; ``KVCache(hot_pool_bytes=0, transport="tcp")``
    ``store(tokens, kv, durable=True)`` of every request; page cache dropped and
-   kvtierd restarted; ``load(tokens)`` of every request, bytes compared with
-   what was stored; ``lookup(tokens)`` of one request's 32 blocks, p50/p99.
+   kvtierd restarted; ``load(tokens, out=...)`` of every request into an output
+   zeroed before the clock starts (LMCache's retrieve is given its outputs the same
+   way), bytes compared with what was stored; ``lookup(tokens)`` of one request's 32 blocks, p50/p99.
    CPU: this process (``time.process_time``) and the daemon (/proc/PID/stat)
    around the timed calls only.
 2. LMCache 0.5.6, ``LocalDiskBackend`` with O_DIRECT, its CPU cache off, in its
@@ -128,6 +129,8 @@ def percentiles_us(samples_s: list[float]) -> dict:
 
 # -- 1. kvtier ---------------------------------------------------------------
 def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> dict:
+    import torch
+
     from kvtier.client.kvcache import KVCache
     from kvtier.common.keys import KVLayout, Namespace
 
@@ -150,10 +153,12 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
         drop_page_cache()
         d.restart()
         load = Meter()
+        # the engine's own KV memory, allocated before the clock starts, as LMCache's retrieve is given its outputs
+        outs = [torch.zeros(LAYERS, 2, 1, KV_HEADS, request_tokens, HEAD_DIM, dtype=torch.float16) for _ in reqs]
         with KVCache(ns, d.data_addr, hot_pool_bytes=0, transport="tcp", pool_size=KVCACHE_STREAMS) as cache:
-            for tokens, kv in reqs:
+            for (tokens, kv), out in zip(reqs, outs):
                 with load(d.pid):
-                    got = cache.load(tokens)
+                    got = cache.load(tokens, out=out)
                 assert got.num_tokens == request_tokens and got.blocks_warm == request_tokens // BLOCK_TOKENS, \
                     f"load gave {got.num_tokens} tokens ({got.blocks_hot} hot, {got.blocks_warm} warm)"
                 check_same(kv, got.layers)

@@ -43,7 +43,7 @@ from kvtier.wire.events import (  # noqa: F401  (re-exported)
     PAYLOAD_BYTES_MAX, FEATURE_PIN_TTL,
     PROTOCOL_VERSION, REPLY_BIT, REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply,
     ErrorCode, ErrorReply, Flush, FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, LocationRecords,
-    Lookup, LookupReply, Op, Pin, PinReply, Ping, PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError,
+    BlockParts, Lookup, LookupReply, Op, Pin, PinReply, Ping, PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError,
     Stats, StatsReply, Unpin, UnpinReply, DEFERRED)
 
 

@@ -158,13 +158,22 @@ class Get:
     want_origin: bool = False  # the reply says, per block, whether it was local or fetched from the upstream
 
 
+class BlockParts(tuple):
+    """One block held in several buffers (bytes-like), sent in order as one block: a PUT of a
+    block straight from the memory it lies in, with no joining copy."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(part).nbytes for part in self)
+
+
 @dataclass(frozen=True)
 class Put:
     """``blocks[i]`` is the full block (header + payload) stored under ``keys[i]``."""
 
     request_id: int
     keys: tuple[bytes, ...]
-    blocks: tuple[Any, ...]  # bytes-like
+    blocks: tuple[Any, ...]  # bytes-like, or BlockParts
     durable: bool = False
     ns_id: bytes | None = None
 

@@ -94,9 +94,11 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
             raise ValueError(f"PUT of {len(msg.keys)} keys and {len(msg.blocks)} blocks")
         flags, prefix = _ns_prefix(msg.ns_id)
         flags |= FLAG_DURABLE if msg.durable else 0
-        views = [memoryview(b).cast("B") for b in msg.blocks]
-        meta = prefix + b"".join(PUT_ITEM.pack(check_key(k), v.nbytes) for k, v in zip(msg.keys, views))
-        return Op.PUT, flags, rid, len(views), meta, views, 0
+        blocks = [[memoryview(part).cast("B") for part in b] if isinstance(b, m.BlockParts)
+                  else [memoryview(b).cast("B")] for b in msg.blocks]
+        meta = prefix + b"".join(PUT_ITEM.pack(check_key(k), sum(v.nbytes for v in views))
+                                 for k, views in zip(msg.keys, blocks))
+        return Op.PUT, flags, rid, len(blocks), meta, [v for views in blocks for v in views], 0
     if t in (m.Flush, m.Stats):
         return (Op.FLUSH if t is m.Flush else Op.STATS), 0, rid, 0, b"", [], 0
     if t is m.Ping:

@@ -6,14 +6,16 @@ A step's saves never wait for a PUT::
                        cache into a reused host staging buffer [L, n, 2, H, T, D]
                        (layer-major: each layer's gather lands in one contiguous run)
     wait_for_save      the layers no hook gathered, then per request
-                       KVCache.store_blocks_async(keys, blocks): the blocks are copied
-                       into send buffers and queued; LOOKUP-free PUTs run on the
-                       cache's background worker
+                       KVCache.store_blocks_async(keys, blocks, copy=False): queued as
+                       they lie in the staging buffer (the gather is the step's only
+                       copy); LOOKUP-free PUTs run on the cache's background worker
 
-When the cache's save queue is full (``save_queue_bytes``) the save is dropped
-and counted (``SaveQueueStatistics.saves_dropped``): a later miss, never a
-stalled step. The queue drains when the connector shuts down. vLLM may reuse
-the blocks as soon as ``wait_for_save`` returns: nothing refers to them then.
+A staging buffer is lent to its step's saves until they are all done; the next step
+takes an idle one (or allocates one), so staging memory follows the saves in flight,
+which the save queue bounds. When the cache's save queue is full (``save_queue_bytes``)
+the save is dropped and counted (``SaveQueueStatistics.saves_dropped``): a later
+miss, never a stalled step. The queue drains when the connector shuts down. vLLM may
+reuse its blocks as soon as ``wait_for_save`` returns: only the staging copy is kept.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from kvtier.kernels.paged import PagedLayout, gather_blocks
 
 logger = logging.getLogger(__name__)
 
+STAGING_IDLE_MAX = 2  # idle staging buffers kept for later steps; more are freed
+
 
 class WorkerSaves:
     """One step's saves at a time; see the module doc."""
@@ -34,7 +38,9 @@ class WorkerSaves:
     def __init__(self, views: Sequence[torch.Tensor], layout: PagedLayout) -> None:
         self._views = list(views)
         self._layout = layout
-        self._staging: torch.Tensor | None = None  # grown as needed, reused across steps
+        self._staging: torch.Tensor | None = None  # this step's
+        self._lent: list[tuple[torch.Tensor, list[Future]]] = []  # earlier steps', until their saves are done
+        self._idle: list[torch.Tensor] = []
         self._gathered: set[int] = set()
         self._block_ids: list[int] = []
         self._pending: list[Future] = []  # queued saves not known to be finished
@@ -65,16 +71,20 @@ class WorkerSaves:
             self.gather_layer(layer)
         staging = self._staging
         self._pending = [f for f in self._pending if not f.done()]
+        step_saves: list[Future] = []
         row = 0
         for op in ops:
             blocks = list(staging[:, row:row + op.num_blocks].transpose(0, 1).unbind(0))  # [L, 2, H, T, D] each
             row += op.num_blocks
             try:
-                self._pending.append(cache_for(op).store_blocks_async(list(op.keys[rank]), blocks))
+                step_saves.append(cache_for(op).store_blocks_async(list(op.keys[rank]), blocks, copy=False))
                 self.counters["saved_blocks"] += op.num_blocks
-            except (RuntimeError, OSError) as exc:  # a closed queue, or no memory for the copy
+            except (RuntimeError, OSError) as exc:  # a closed queue
                 self.counters["failed_saves"] += op.num_blocks
                 logger.warning("kvtier save of %d blocks not queued (%s); they will be misses", op.num_blocks, exc)
+        self._pending.extend(step_saves)
+        self._lent.append((staging, step_saves))  # the saves read it until they are done
+        self._staging = None
         self._block_ids = []
 
     def wait_stored(self, timeout_s: float | None = None) -> bool:
@@ -91,6 +101,24 @@ class WorkerSaves:
         block = (2, like.shape[axes.index("head")], like.shape[axes.index("token")], like.shape[axes.index("dim")])
         staging = self._staging
         if staging is None or staging.shape[1] < n or tuple(staging.shape[2:]) != block:
-            pin = like.device.type == "cuda"
-            staging = self._staging = torch.empty((layers, max(n, 1), *block), dtype=like.dtype, pin_memory=pin)
+            staging = self._idle_staging(n, block)
+            if staging is None:
+                staging = torch.empty((layers, max(n, 1), *block), dtype=like.dtype, pin_memory=like.device.type == "cuda")
+            self._staging = staging
         return staging[:, :n]
+
+    def _idle_staging(self, n: int, block: tuple) -> torch.Tensor | None:
+        """A staging buffer of at least ``n`` blocks whose saves are all done, if one is idle."""
+        lent = []
+        for staging, saves in self._lent:
+            if all(f.done() for f in saves):
+                self._idle.append(staging)
+            else:
+                lent.append((staging, saves))
+        self._lent = lent
+        fits = [s for s in self._idle if s.shape[1] >= n and tuple(s.shape[2:]) == block]
+        if not fits:
+            del self._idle[STAGING_IDLE_MAX:]
+            return None
+        self._idle.remove(fits[0])
+        return fits[0]

@@ -1,0 +1,105 @@
+"""Raw blocks sent from the engine's own memory: no gather, no send buffer.
+
+A synchronous store of host KV in the raw codec holds the caller until the PUT is acknowledged, so
+the KV cannot change under it. Its blocks are then sent as they lie::
+
+    block i = [ block header + codec header ][ layer 0 K, head 0 rows ][ head 1 ] ... [ layer L-1 V, head H-1 ]
+                 built here (64 + few bytes)    views of the engine's tensors, in payload order
+
+``sendmsg`` gathers the views, so the kernel's copy into the socket is the only pass over the KV
+besides the CRC, which is chained over the same views in the same order. KV on a device, another
+codec, or rows that are not contiguous take the send-buffer encoder instead.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import crc32c
+
+from kvtier.common.blockformat import header_for_crc
+from kvtier.common.keys import KVLayout
+from kvtier.wire.events import BlockParts
+
+from .block_payload import host_bits
+
+
+class SourceBlocks:
+    """Blocks as :class:`BlockParts` over the engine's tensors; the same interface as
+    :class:`~.block_encoder.EncodedBlocks` (they are sealed when built, and hold no buffers)."""
+
+    def __init__(self, blocks: list[BlockParts]) -> None:
+        self.blocks = blocks
+        self.sealed_blocks = len(blocks)
+
+    def seal(self, first: int = 0) -> None:
+        pass  # headers are written when the blocks are built
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def release(self) -> None:
+        self.blocks = []  # the views go; the engine's tensors were never ours
+
+
+def source_rows(kv: Sequence, layout: KVLayout, index: int, layers: range) -> list[memoryview] | None:
+    """Block ``index``'s payload rows, ``[layer][K|V][head]`` over ``layers``, as byte views of
+    ``kv`` (per-layer ``(k, v)``, ``[1, H, T, D]``); None unless every tensor is on the host and
+    every row is contiguous."""
+    start, end = index * layout.block_tokens, (index + 1) * layout.block_tokens
+    rows: list[memoryview] = []
+    for layer in layers:
+        for tensor in kv[layer][:2]:
+            if tensor.device.type != "cpu":
+                return None
+            bits = host_bits(tensor[0, :, start:end])  # [H, block_tokens, D]
+            if bits.flags.c_contiguous:
+                rows.append(memoryview(bits).cast("B"))
+                continue
+            for head in bits:
+                if not head.flags.c_contiguous:
+                    return None
+                rows.append(memoryview(head).cast("B"))
+    return rows
+
+
+def tensor_rows(block, shape: tuple) -> list[memoryview] | None:
+    """A ``shape`` block tensor's bytes as views, one per contiguous layer (``[2, H, T, D]``), or
+    None unless it is on the host and every layer of it is contiguous."""
+    if getattr(block, "device", None) is None or block.device.type != "cpu" or tuple(block.shape) != tuple(shape):
+        return None
+    if block.is_contiguous():
+        return [memoryview(host_bits(block).reshape(-1)).cast("B")]
+    rows = [host_bits(layer) for layer in block]
+    if not all(row.flags.c_contiguous for row in rows):
+        return None
+    return [memoryview(row.reshape(-1)).cast("B") for row in rows]
+
+
+def source_blocks(kv: Sequence, layout: KVLayout, first_block: int, keys: Sequence[bytes], layers: range,
+                  ns_id: bytes, codec_id: int, codec_header: bytes) -> SourceBlocks | None:
+    """Blocks ``first_block ..`` (one per key) of ``kv`` in the raw codec, sent from where they
+    lie; None where :func:`source_rows` says they cannot be."""
+    return _sealed(keys, lambda i: source_rows(kv, layout, first_block + i, layers), ns_id, codec_id, codec_header)
+
+
+def source_blocks_of_tensors(blocks: Sequence, keys: Sequence[bytes], shape: tuple, ns_id: bytes, codec_id: int,
+                             codec_header: bytes) -> SourceBlocks | None:
+    """Block tensors (``shape``, e.g. one layer group of ``block_shape``) in the raw codec, sent
+    from where they lie; None where :func:`tensor_rows` says they cannot be."""
+    return _sealed(keys, lambda i: tensor_rows(blocks[i], shape), ns_id, codec_id, codec_header)
+
+
+def _sealed(keys: Sequence[bytes], rows_of, ns_id: bytes, codec_id: int, codec_header: bytes) -> SourceBlocks | None:
+    blocks = []
+    for i, key in enumerate(keys):
+        rows = rows_of(i)
+        if rows is None:
+            return None
+        crc = crc32c.crc32c(codec_header)
+        for row in rows:
+            crc = crc32c.crc32c(row, crc)
+        payload_len = len(codec_header) + sum(row.nbytes for row in rows)
+        head = header_for_crc(bytes(key), ns_id, codec_id, payload_len, crc)
+        blocks.append(BlockParts((head + codec_header, *rows)))
+    return SourceBlocks(blocks)
