@@ -9,8 +9,15 @@ production - reads the bytes itself::
     location (logical_offset, length)
         -> align to ALIGNMENT_BYTES         (O_DIRECT rules)
         -> StripeGeometry.map_range         -> [(device, device_offset, n), ...]
-        -> preadv on each device's fd       (devices in parallel)
-        -> verify_block(key, seq, CRC)      -> the block, or None (a miss)
+        -> preadv on each device's fd       (each device's contiguous stripe units in one
+                                             preadv; READS_PER_DEVICE in flight per device)
+        -> verify_block(key, seq, CRC)      -> the block, or None (a miss); each span as soon
+                                             as its reads are in, while others are read
+        -> with a landing: the raw payload copied into the load's output (LandedBlock)
+
+A large batch is read window by window (WINDOW_BYTES_MAX) into pooled, pre-faulted
+buffers, so a 1 GiB load reuses a few hundred MiB of landing memory instead of mapping
+a fresh GiB.
 
 Sealed regions are immutable, but the daemon may recycle a region between
 our LOOKUP and our read. The header's key and sequence and the payload CRC
@@ -34,13 +41,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from kvtier.common.aligned import ALIGNMENT_BYTES, aligned_buffer, align_down, align_up
+import numpy as np
+
+from kvtier.common.aligned import ALIGNMENT_BYTES, align_down, align_up
 from kvtier.common.blockformat import BlockFormatError, verify_block
 from kvtier.common.stripe import StripeGeometry
 
+from .output_buffers import OutputBuffers
+from .scatter_plan import LandedBlock, Landing
+
 COALESCE_GAP_BYTES_MAX = 256 * 1024  # reading a gap this small beats another syscall per block
 READ_RANGE_BYTES_MAX = 16 * 1024 * 1024  # bounds one buffer; larger batches are split
-DEVICES_MAX = 64  # one fd and one reader thread per device
+DEVICES_MAX = 64  # one fd per device
+READS_PER_DEVICE = 4  # reads in flight on each device (runs of up to RUN_BYTES_MAX)
+RUN_BYTES_MAX = 4 << 20  # one preadv: a device's contiguous stripe units, up to this many bytes
+IOV_ENTRIES_MAX = 512  # under Linux's IOV_MAX of 1024
+SPAN_BUFFERS_BYTES_MAX = 512 << 20  # landing buffers kept for reuse (their pages stay faulted in)
+WINDOW_BYTES_MAX = 256 << 20  # spans read at once: a larger batch goes window by window, reusing the buffers
 
 
 @dataclass(frozen=True)
@@ -131,7 +148,8 @@ class DirectReader:
         except BaseException:
             self.close()
             raise
-        self._pool = ThreadPoolExecutor(max_workers=len(self._fds), thread_name_prefix="kvtier-direct")
+        self._pool = ThreadPoolExecutor(max_workers=READS_PER_DEVICE * len(self._fds), thread_name_prefix="kvtier-direct")
+        self._span_buffers = OutputBuffers(SPAN_BUFFERS_BYTES_MAX)
         self._lock = threading.Lock()
         self._blocks = self._bytes = self._failures = self._io_errors = self._nixl_fallbacks = 0
         self._nixl_files = None
@@ -154,19 +172,36 @@ class DirectReader:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     # --- reading ---------------------------------------------------------
-    def read_many(self, keys: Sequence[bytes], locations: Sequence[DirectLocation]) -> list[memoryview | None]:
+    def read_many(self, keys: Sequence[bytes], locations: Sequence[DirectLocation],
+                  landing: Landing | None = None) -> list[memoryview | LandedBlock | None]:
         """The verified block for each (key, location), or ``None`` where the
         bytes found do not validate (the caller falls back to TCP). An I/O
-        error on a device is raised: it is not a miss, it is a fault."""
+        error on a device is raised: it is not a miss, it is a fault. Each span is
+        verified as soon as its reads are in, while other spans are still being read.
+        ``landing``: a raw block whose head is ``landing.head_nbytes`` is copied, once
+        verified, into ``landing.views(i, 0)`` and comes back as a :class:`LandedBlock`."""
         if len(keys) != len(locations):
             raise ValueError(f"{len(keys)} keys but {len(locations)} locations")
-        results: list[memoryview | None] = [None] * len(keys)
+        results: list = [None] * len(keys)
         spans = self._plan(locations)
-        buffers = [aligned_buffer(s.end - s.start) for s in spans]
-        self._read_spans(spans, buffers)
-        failures = 0
-        for span, buf in zip(spans, buffers):
-            view = memoryview(buf)
+        failures = [0]
+        for window in _windows(spans, WINDOW_BYTES_MAX):
+            self._read_window(window, keys, locations, landing, results, failures)
+        with self._lock:
+            self._blocks += len(keys) - failures[0]
+            self._bytes += sum(s.end - s.start for s in spans)
+            self._failures += failures[0]
+        return results
+
+    def _read_window(self, spans: list[_Span], keys, locations, landing: Landing | None, results: list,
+                     failures: list[int]) -> None:
+        """Read, verify (and land) one window of spans. Its landing buffers are pooled, pre-faulted and
+        page-aligned; they are free again for the next window once nothing refers to them (with a
+        landing, as soon as this returns; else once the caller drops the blocks handed out)."""
+        buffers = [memoryview(self._span_buffers.take(s.end - s.start))[:s.end - s.start] for s in spans]
+
+        def check(k: int) -> None:  # span k's bytes are all in
+            span, view = spans[k], buffers[k]
             for i in span.members:
                 loc = locations[i]
                 lo = loc.logical_offset - span.start
@@ -174,14 +209,11 @@ class DirectReader:
                 try:
                     verify_block(block, expected_key=keys[i], expected_seq=loc.seq)
                 except BlockFormatError:
-                    failures += 1
+                    with self._lock:
+                        failures[0] += 1
                     continue
-                results[i] = block
-        with self._lock:
-            self._blocks += len(keys) - failures
-            self._bytes += sum(s.end - s.start for s in spans)
-            self._failures += failures
-        return results
+                results[i] = block if landing is None else _land(block, landing, i)
+        self._read_spans(spans, buffers, check)
 
     def _plan(self, locations: Sequence[DirectLocation]) -> list[_Span]:
         """Aligned spans covering the blocks, neighbours coalesced."""
@@ -207,22 +239,41 @@ class DirectReader:
             spans.append(_Span(cur_start, cur_end, tuple(members)))
         return spans
 
-    def _read_spans(self, spans: Sequence[_Span], buffers: Sequence[memoryview]) -> None:
-        per_device: dict[int, list[tuple[int, memoryview]]] = {}
-        for span, buf in zip(spans, buffers):
+    def _read_spans(self, spans: Sequence[_Span], buffers: Sequence[memoryview], check) -> None:
+        """Read every span into its buffer; ``check(k)`` runs (on a reader thread) once span k is in."""
+        per_device: dict[int, list[tuple[int, memoryview, int]]] = {}
+        for k, (span, buf) in enumerate(zip(spans, buffers)):
             view = memoryview(buf)
             pos = 0
             for dev, dev_off, length in self.geometry.map_range(span.start, span.end - span.start):
-                per_device.setdefault(dev, []).append((dev_off, view[pos:pos + length]))
+                per_device.setdefault(dev, []).append((dev_off, view[pos:pos + length], k))
                 pos += length
         if self._nixl_files is not None:
             try:
-                self._nixl_files.read([(dev, off, v) for dev, pieces in per_device.items() for off, v in pieces])
+                self._nixl_files.read([(dev, off, v) for dev, pieces in per_device.items() for off, v, _ in pieces])
+                for k in range(len(spans)):
+                    check(k)
                 return
             except OSError:
                 with self._lock:
                     self._nixl_fallbacks += 1  # read again below, with preadv
-        futures = [self._pool.submit(self._read_device, dev, pieces) for dev, pieces in per_device.items()]
+        # devices interleaved, each in offset order: every device busy from the start, spans in order
+        runs = sorted(((dev, run) for dev, pieces in per_device.items() for run in device_runs(pieces)),
+                      key=lambda item: (item[1][0], item[0]))
+        left = [0] * len(spans)  # runs still to finish, per span
+        for _, (_, _, members) in runs:
+            for k in members:
+                left[k] += 1
+
+        def read(dev: int, dev_off: int, views: list[memoryview], members: set[int]) -> None:
+            self._read_run(dev, dev_off, views)
+            for k in members:
+                with self._lock:
+                    left[k] -= 1
+                    complete = left[k] == 0
+                if complete:
+                    check(k)
+        futures = [self._pool.submit(read, dev, dev_off, views, members) for dev, (dev_off, views, members) in runs]
         errors = []
         for fut in futures:
             try:
@@ -234,19 +285,22 @@ class DirectReader:
                 self._io_errors += len(errors)
             raise errors[0]
 
-    def _read_device(self, dev: int, pieces: list[tuple[int, memoryview]]) -> None:
-        fd = self._fds[dev]
+    def _read_run(self, dev: int, dev_off: int, views: list[memoryview]) -> None:
+        """Read one run (device ``dev``, from ``dev_off``) into ``views``, in order."""
         if self.backend == "kvikio":
+            pieces, pos = [], dev_off
+            for view in views:
+                pieces.append((pos, view))
+                pos += view.nbytes
             self._read_device_kvikio(self._paths[dev], pieces)
             return
-        for dev_off, view in pieces:
-            done = 0
-            while done < view.nbytes:
-                n = os.preadv(fd, [view[done:]], dev_off + done)
-                if n <= 0:
-                    raise OSError(5, f"short direct read on device {self.geometry.device_ids[dev]} "
-                                     f"at offset {dev_off + done}: got {done} of {view.nbytes} bytes")
-                done += n
+        total, done = sum(v.nbytes for v in views), 0
+        while done < total:
+            n = os.preadv(self._fds[dev], _from(views, done), dev_off + done)
+            if n <= 0:
+                raise OSError(5, f"short direct read on device {self.geometry.device_ids[dev]} "
+                                 f"at offset {dev_off + done}: got {done} of {total} bytes")
+            done += n
 
     def _read_device_kvikio(self, path: str, pieces: list[tuple[int, memoryview]]) -> None:
         """cuFile reads (kvikio picks GDS or its POSIX compat path) into the
@@ -290,3 +344,60 @@ class DirectReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def device_runs(pieces: Sequence[tuple[int, memoryview, int]]) -> list[tuple[int, list[memoryview], set[int]]]:
+    """One device's ``(device offset, view, span)`` pieces as preadv runs ``(device offset, views,
+    spans)``: pieces contiguous on the device joined, up to RUN_BYTES_MAX and IOV_ENTRIES_MAX."""
+    runs: list[tuple[int, list[memoryview], set[int]]] = []
+    end = size = -1
+    for dev_off, view, span in sorted(pieces, key=lambda piece: piece[0]):
+        if runs and dev_off == end and size + view.nbytes <= RUN_BYTES_MAX and len(runs[-1][1]) < IOV_ENTRIES_MAX:
+            runs[-1][1].append(view)
+            runs[-1][2].add(span)
+            size += view.nbytes
+        else:
+            runs.append((dev_off, [view], {span}))
+            size = view.nbytes
+        end = dev_off + view.nbytes
+    return runs
+
+
+def _land(block: memoryview, landing: Landing, i: int) -> memoryview | LandedBlock:
+    """A verified raw block's payload copied into its landing views (a LandedBlock), or the block
+    itself where its shape is not the landing's (another codec: decoded later)."""
+    views = landing.views(i, 0)
+    head = landing.head_nbytes
+    if block.nbytes != head + sum(v.nbytes for v in views):
+        return block
+    source, pos = np.frombuffer(block, np.uint8), head
+    for view in views:  # NumPy copies without the GIL: the reader threads keep reading meanwhile
+        np.copyto(np.frombuffer(view, np.uint8), source[pos:pos + view.nbytes])
+        pos += view.nbytes
+    return LandedBlock(memoryview(bytes(block[:head])), block.nbytes)
+
+
+def _windows(spans: list[_Span], window_bytes: int) -> list[list[_Span]]:
+    """Consecutive spans in windows of at most ``window_bytes`` (a larger span alone)."""
+    windows: list[list[_Span]] = []
+    size = 0
+    for span in spans:
+        if windows and size + span.end - span.start <= window_bytes:
+            windows[-1].append(span)
+            size += span.end - span.start
+        else:
+            windows.append([span])
+            size = span.end - span.start
+    return windows
+
+
+def _from(views: list[memoryview], skip: int) -> list[memoryview]:
+    """``views`` without their first ``skip`` bytes."""
+    out = []
+    for view in views:
+        if skip >= view.nbytes:
+            skip -= view.nbytes
+            continue
+        out.append(view[skip:])
+        skip = 0
+    return out

@@ -317,7 +317,9 @@ class WarmTier:
                     got = daemon.reader.read_many(
                         [keys[i] for i in direct_idx],
                         [DirectLocation(locations[i].logical_offset, locations[i].length, locations[i].seq)
-                         for i in direct_idx])
+                         for i in direct_idx],
+                        None if landing is None else Landing(landing.head_nbytes,
+                                                             lambda n, _g: landing.views(direct_idx[n], 0)))
                 except (OSError, ValueError) as exc:
                     # an unreadable device or a location outside the geometry we hold (the
                     # daemon was re-formatted): every block goes to TCP instead

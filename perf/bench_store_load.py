@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "perf"))
 
-from daemon_proc import start_kvtierd  # noqa: E402
+from daemon_proc import device_map_of, start_kvtierd  # noqa: E402
 from lmcache_side import make_request  # noqa: E402  (one generator of the data, both halves)
 
 GiB = 1 << 30
@@ -165,12 +165,28 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
                 del got
             progress(f"kvtier: loaded and checked {total / load.wall_s / 1e9:.2f} GB/s; lookups")
             lookup = lookup_latencies(cache, reqs[0][0], request_tokens)
+            cache.flush()  # direct reads serve sealed regions only
+        progress("kvtier: drop page cache, restart kvtierd; load again by direct device reads")
+        drop_page_cache()
+        d.restart()
+        direct = Meter()
+        with KVCache(ns, d.data_addr, hot_pool_bytes=0, transport="direct", pool_size=KVCACHE_STREAMS,
+                     device_map=device_map_of(d)) as cache:
+            for (tokens, kv), out in zip(reqs, outs):
+                out.zero_()
+                with direct(d.pid):
+                    got = cache.load(tokens, out=out)
+                assert got.transports == {"direct": request_tokens // BLOCK_TOKENS}, got.transports
+                check_same(kv, got.layers)
+                del got
+        progress(f"kvtier: loaded by direct reads and checked {total / direct.wall_s / 1e9:.2f} GB/s")
         per_gib = lambda m: {"client": m.client_s * GiB / total, "daemon": m.daemon_s * GiB / total,  # noqa: E731
                              "total": (m.client_s + m.daemon_s) * GiB / total}
         return {"bytes": total, "blocks": total // layout.block_raw_bytes, "device_size": device_size,
                 "devices": DEVICES, "region_size": REGION_SIZE, "transport": "tcp", "hot_pool_bytes": 0,
                 "store_bytes_per_s": total / store.wall_s, "load_bytes_per_s": total / load.wall_s,
-                "cpu_s_per_gib": {"store": per_gib(store), "load": per_gib(load)},
+                "load_direct_bytes_per_s": total / direct.wall_s,
+                "cpu_s_per_gib": {"store": per_gib(store), "load": per_gib(load), "load_direct": per_gib(direct)},
                 "lookup_us": lookup["tokens"], "lookup_keys_us": lookup["keys"], "bytes_checked": True}
     finally:
         d.stop()
@@ -282,6 +298,7 @@ def ratios(r: dict) -> dict:
     k, fio, ip = r["kvtier"], r["fio"], r["iperf3"]["bytes_per_s"]
     out = {"store_vs_min_fio_write_iperf3": k["store_bytes_per_s"] / min(fio["write"]["bytes_per_s"], ip),
            "load_vs_min_fio_read_iperf3": k["load_bytes_per_s"] / min(fio["read"]["bytes_per_s"], ip),
+           "load_direct_vs_fio_read": k["load_direct_bytes_per_s"] / fio["read"]["bytes_per_s"],
            # CPU per GiB against fio's for the same direction (fio's own usr+sys over its runtime)
            "store_cpu_total_vs_fio_write": k["cpu_s_per_gib"]["store"]["total"] / fio["write"]["cpu_s_per_gib"],
            "load_cpu_total_vs_fio_read": k["cpu_s_per_gib"]["load"]["total"] / fio["read"]["cpu_s_per_gib"]}
@@ -293,6 +310,7 @@ def ratios(r: dict) -> dict:
             "store_vs_lmcache_durable": k["store_bytes_per_s"] / lm["store_durable_bytes_per_s"],
             "store_vs_lmcache": k["store_bytes_per_s"] / lm["store_bytes_per_s"],
             "load_vs_lmcache": k["load_bytes_per_s"] / lm["load_bytes_per_s"],
+            "load_direct_vs_lmcache": k["load_direct_bytes_per_s"] / lm["load_bytes_per_s"],
             # kvtier client + daemon against LMCache's one process (it does all of its work in-process)
             "store_cpu_total_vs_lmcache": k["cpu_s_per_gib"]["store"]["total"] / lm["cpu_s_per_gib"]["store_durable"],
             "load_cpu_total_vs_lmcache": k["cpu_s_per_gib"]["load"]["total"] / lm["cpu_s_per_gib"]["load"],
@@ -310,6 +328,9 @@ def print_table(r: dict) -> None:
     k, fio, lm = r["kvtier"], r["fio"], r.get("lmcache", {})
     rows = [("kvtier store (durable)", gb(k["store_bytes_per_s"])),
             ("kvtier load (after drop_caches + restart)", gb(k["load_bytes_per_s"])),
+            ("kvtier load, direct device reads", gb(k["load_direct_bytes_per_s"])),
+            ("kvtier CPU s/GiB direct load: client / daemon",
+             f"{k['cpu_s_per_gib']['load_direct']['client']:6.2f} / {k['cpu_s_per_gib']['load_direct']['daemon']:.2f}"),
             ("kvtier CPU s/GiB store: client / daemon",
              f"{k['cpu_s_per_gib']['store']['client']:6.2f} / {k['cpu_s_per_gib']['store']['daemon']:.2f}"),
             ("kvtier CPU s/GiB load: client / daemon",
