@@ -1,10 +1,13 @@
 """The loader's side of a :class:`~.prefix_load.PrefixLoad`: the warm blocks' layer groups
-fetched in order, two in flight, each decoded (or, raw, already landed) into the output
-and handed over as soon as every block's group is verified::
+fetched in order, one at a time (each over all the streams), each decoded (or, raw, already
+landed) into the output and handed over as soon as every block's group is verified::
 
     fetch g0 ─┐ fetch g1 ─┐ fetch g2 ...        (on the group-fetch workers)
               └ decode g0 -> ready(0)
                           └ decode g1 -> ready(1) ...
+
+One group at a time, because two fetched together share the bandwidth and the first,
+the one the model is waiting for, arrives as late as the second.
 
 A block whose group is missing or fails verification shortens the prefix there; an
 error fails the load (the consumer sees either at its next wait).
@@ -19,7 +22,7 @@ from .prefix_load import PrefixLoad
 
 log = logging.getLogger(__name__)
 
-GROUPS_IN_FLIGHT = 2  # fetches ahead of the decode: one decoding, one arriving
+GROUPS_IN_FLIGHT = 1  # group fetches in flight (the next starts when one is in)
 
 
 def stream_groups(load: PrefixLoad, out, first: int, fetch: Callable, decoder, executor: Executor,
