@@ -128,3 +128,49 @@ def test_region_table_skips_regions_with_too_many_pinned_bytes():
     assert table.victims()[0] == 1  # region 0 holds 600 pinned bytes > half of 1000
     table.set_pinned(0, 600, False)
     assert table.victims()[0] == 0
+
+
+def test_a_probe_without_the_lock_is_right_or_refuses_while_the_table_changes():
+    """find_many_unlocked against a writer that inserts (growing the table many times) and removes:
+    every answer it gives is right (the always-present keys present, the never-inserted absent), and
+    it refuses (None) rather than guess while a change overlaps it."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    always = rng.integers(1, 1 << 62, (2, 64), dtype=np.uint64)
+    never = rng.integers(1 << 62, 1 << 63, (2, 64), dtype=np.uint64)  # a disjoint range: never inserted
+    index = BlockIndex()
+    ones = np.ones(64, np.uint32)
+    index.insert_many(always[0], always[1], np.zeros(64, np.uint64), ones, np.zeros(64, np.uint32))
+    stop, answers, refusals = threading.Event(), [0], [0]
+    wrong: list[str] = []
+
+    def probe():
+        k0, k1 = np.concatenate([always[0], never[0]]), np.concatenate([always[1], never[1]])
+        while not stop.is_set():
+            slots = index.find_many_unlocked(k0, k1)
+            if slots is None:
+                refusals[0] += 1
+                continue
+            answers[0] += 1
+            if not (slots[:64] >= 0).all() or (slots[64:] >= 0).any():
+                wrong.append(f"present {int((slots[:64] >= 0).sum())}/64, never-inserted found {int((slots[64:] >= 0).sum())}")
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        for round_ in range(60):
+            n = 2000
+            k0 = rng.integers(1, 1 << 62, n, dtype=np.uint64)
+            k1 = rng.integers(1, 1 << 62, n, dtype=np.uint64)
+            k0 = k0[~np.isin(k0, always[0])]
+            k1 = k1[:len(k0)]
+            index.insert_many(k0, k1, np.zeros(len(k0), np.uint64), np.ones(len(k0), np.uint32),
+                              np.zeros(len(k0), np.uint32))
+            if round_ % 3 == 2:
+                index.remove(index.find_many(k0[: len(k0) // 2], k1[: len(k1) // 2]))
+    finally:
+        stop.set()
+        t.join()
+    assert not wrong, wrong[:3]
+    assert answers[0] > 0 and index.capacity > 4 * 1024  # it answered, and the table grew under it

@@ -49,6 +49,7 @@ from kvtier.common.stripe import StripeGeometry
 from . import regionfmt as fmt
 from .allocator import Allocator
 from .block_events import BlockListener
+from .buffers import copy_bytes
 from .blockmap import BlockMap
 from .config import EngineConfig
 from .devices import Device
@@ -185,6 +186,9 @@ class Engine:
             headers.append(header)
         if not views:
             return []
+        copied = self._put_copied_in_place(views, headers, durable)
+        if copied is not None:
+            return copied
         k0s, k1s = fmt.keys_to_halves([h.key for h in headers])
         seqs: list[int] = [0] * len(views)
         allocator = self._allocator
@@ -233,6 +237,25 @@ class Engine:
         if durable:
             self._commit_or_take_back(placed)
         return seqs
+
+    def _put_copied_in_place(self, views: list[memoryview], headers: list, durable: bool) -> list[int] | None:
+        """:meth:`put_many` by a reservation: the blocks are copied into the open region without the
+        lock (readers and LOOKUPs never wait behind a copy), then committed; None where a reservation
+        cannot be had (a key present or repeated, another in flight for too long): the caller copies
+        under the lock instead."""
+        reservation = self._in_place.reserve([h.key for h in headers], [v.nbytes for v in views], new_region=True,
+                                             room_errors=True)
+        if reservation is None:
+            return None
+        try:
+            pos = 0
+            for view in views:
+                copy_bytes(reservation.view[pos:pos + view.nbytes], view)
+                pos += view.nbytes
+        except BaseException:
+            self._in_place.abort(reservation)
+            raise
+        return self._in_place.commit(reservation, durable, headers=headers)
 
     def _commit_or_take_back(self, placed: list[tuple]) -> None:
         """Group commit, without the lock (it syncs every device after a seal). If it fails, the
@@ -320,9 +343,13 @@ class Engine:
     def _lookup_halves(self, k0: np.ndarray, k1: np.ndarray) -> int:
         if not len(k0):
             return 0
-        with self._lock:
-            self._check_open()
-            present = self._index.find_many(k0, k1) >= 0
+        self._check_open()
+        slots = self._index.find_many_unlocked(k0, k1)  # a LOOKUP never queues behind writers for the lock
+        if slots is None:
+            with self._lock:
+                self._check_open()
+                slots = self._index.find_many(k0, k1)
+        present = slots >= 0
         return int(len(present) if present.all() else np.argmin(present))
 
     def locate_many(self, keys: Sequence) -> list[BlockLocation | None]:

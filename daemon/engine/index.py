@@ -75,6 +75,10 @@ class BlockIndex:
         self._allocate(max(capacity, CAPACITY_MIN))
         self._live = 0
         self._deleted = 0
+        # odd while a change of which keys are present (insert, remove, clear, a resize) is under way,
+        # bumped twice by each: a reader without the lock trusts a find only if it saw the same even value
+        # before and after (:meth:`find_many_unlocked`)
+        self.version = 0
 
     def _allocate(self, capacity: int) -> None:
         assert capacity < 1 << 32, f"index of {capacity} slots: home slots are scaled from 32 bits"
@@ -136,6 +140,20 @@ class BlockIndex:
             active, start = active[~stopped], window[~stopped, -1] + 1
         return result
 
+    def find_many_unlocked(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray | None:
+        """:meth:`find_many` by a reader that does not hold the engine lock: the slots, or None when
+        a change of which keys are present overlapped the probe (the caller asks again under the
+        lock). Every table, old or new, keeps empty slots, so a probe over one changing under it
+        still ends; what it found is trusted only if no change began or ended meanwhile."""
+        before = self.version
+        if before & 1:
+            return None
+        try:
+            slots = self.find_many(k0, k1)
+        except (IndexError, ValueError):  # arrays swapped by a resize between two reads of the probe
+            return None
+        return slots if self.version == before else None
+
     def live_slots(self) -> np.ndarray:
         ln = self.length
         return np.nonzero((ln != EMPTY) & (ln != DELETED))[0]
@@ -155,35 +173,43 @@ class BlockIndex:
     # -- updates ---------------------------------------------------------
     def insert(self, k0: int, k1: int, addr: int, length: int, meta: int) -> int:
         """Add a key that is not present; returns its slot."""
-        assert EMPTY < length < DELETED, length
-        self._reserve(1)
-        capacity = self.capacity
-        pos = _home(k0, k1, self._seed, capacity)
-        while True:
-            ln = int(self.length[pos])
-            if ln == EMPTY or ln == DELETED:
-                break
-            assert not (int(self.k0[pos]) == k0 and int(self.k1[pos]) == k1), "insert of a present key"
-            pos = pos + 1 if pos + 1 < capacity else 0
-        if ln == DELETED:
-            self._deleted -= 1
-        self.k0[pos], self.k1[pos], self.addr[pos] = k0, k1, addr
-        self.length[pos], self.meta[pos] = length, meta
-        if self.track_hits:
-            self.hits[pos] = 0
-        self._live += 1
-        return pos
+        self.version += 1
+        try:
+            assert EMPTY < length < DELETED, length
+            self._reserve(1)
+            capacity = self.capacity
+            pos = _home(k0, k1, self._seed, capacity)
+            while True:
+                ln = int(self.length[pos])
+                if ln == EMPTY or ln == DELETED:
+                    break
+                assert not (int(self.k0[pos]) == k0 and int(self.k1[pos]) == k1), "insert of a present key"
+                pos = pos + 1 if pos + 1 < capacity else 0
+            if ln == DELETED:
+                self._deleted -= 1
+            self.k0[pos], self.k1[pos], self.addr[pos] = k0, k1, addr
+            self.length[pos], self.meta[pos] = length, meta
+            if self.track_hits:
+                self.hits[pos] = 0
+            self._live += 1
+            return pos
+        finally:
+            self.version += 1
 
     def insert_many(self, k0, k1, addr, length, meta, hits=None) -> None:
         """Add keys that are absent and unique within the batch, vectorized (read counts 0 unless given)."""
-        n = len(k0)
-        if not n:
-            return
-        assert np.all(length > EMPTY) and np.all(length < DELETED)
-        self._reserve(n)
-        self._place(np.asarray(k0, np.uint64), np.asarray(k1, np.uint64), np.asarray(addr, np.uint64),
-                    np.asarray(length, np.uint32), np.asarray(meta, np.uint32),
-                    np.zeros(n if self.track_hits else 0, np.uint8) if hits is None else np.asarray(hits, np.uint8))
+        self.version += 1
+        try:
+            n = len(k0)
+            if not n:
+                return
+            assert np.all(length > EMPTY) and np.all(length < DELETED)
+            self._reserve(n)
+            self._place(np.asarray(k0, np.uint64), np.asarray(k1, np.uint64), np.asarray(addr, np.uint64),
+                        np.asarray(length, np.uint32), np.asarray(meta, np.uint32),
+                        np.zeros(n if self.track_hits else 0, np.uint8) if hits is None else np.asarray(hits, np.uint8))
+        finally:
+            self.version += 1
 
     def _place(self, k0, k1, addr, length, meta, hits) -> None:
         pending = np.arange(len(k0))
@@ -221,18 +247,26 @@ class BlockIndex:
 
     def remove(self, slots) -> None:
         """Delete the given live slots."""
-        slots = np.unique(np.asarray(slots, np.int64))
-        if not slots.size:
-            return
-        ln = self.length[slots]
-        assert np.all((ln != EMPTY) & (ln != DELETED)), "remove of a free slot"
-        self.length[slots] = DELETED
-        self._live -= len(slots)
-        self._deleted += len(slots)
+        self.version += 1
+        try:
+            slots = np.unique(np.asarray(slots, np.int64))
+            if not slots.size:
+                return
+            ln = self.length[slots]
+            assert np.all((ln != EMPTY) & (ln != DELETED)), "remove of a free slot"
+            self.length[slots] = DELETED
+            self._live -= len(slots)
+            self._deleted += len(slots)
+        finally:
+            self.version += 1
 
     def clear(self) -> None:
-        self._allocate(CAPACITY_MIN)
-        self._live = self._deleted = 0
+        self.version += 1
+        try:
+            self._allocate(CAPACITY_MIN)
+            self._live = self._deleted = 0
+        finally:
+            self.version += 1
 
     def _reserve(self, extra: int) -> None:
         if self._live + self._deleted + extra <= self.capacity * LOAD_FACTOR_MAX:

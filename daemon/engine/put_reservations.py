@@ -75,11 +75,13 @@ class InPlacePuts:
         self._put_many = put_many  # the copying path, for a frame whose keys were stored meanwhile
         self._commit_durable = commit_durable  # group commit of (k0, k1, addr, seq) placed; taken back if it fails
 
-    def reserve(self, keys: Sequence[bytes], lengths: Sequence[int], new_region: bool) -> Reservation | None:
+    def reserve(self, keys: Sequence[bytes], lengths: Sequence[int], new_region: bool,
+                room_errors: bool = False) -> Reservation | None:
         """Room for blocks of these keys and lengths in the open image, or None: one is in flight,
         a key is present or repeated, a length is implausible, or the frame does not fit the open
         region and ``new_region`` is False (the caller then receives it into a buffer of its own).
-        ``new_region``: seal the open region (or reclaim one) when the frame does not fit it."""
+        ``new_region``: seal the open region (or reclaim one) when the frame does not fit it;
+        ``room_errors``: a failure to make that room raises (else None: the copying path meets it)."""
         keys, lengths = tuple(bytes(k) for k in keys), tuple(int(n) for n in lengths)
         total, allocator = sum(lengths), self._allocator
         if not keys or min(lengths) < HEADER_SIZE or max(lengths) > self._block_size_max() or \
@@ -98,6 +100,8 @@ class InPlacePuts:
                 try:
                     allocator.ensure_room(total, len(keys))
                 except (EngineError, DeviceError):
+                    if room_errors:
+                        raise
                     return None  # the copying path meets the same failure and answers it
                 if allocator.reservation is not None or (self._blocks.index.find_many(k0, k1) >= 0).any():
                     return None  # the lock was let go while waiting for a clean region: another PUT came first
@@ -108,20 +112,25 @@ class InPlacePuts:
             allocator.reservation = reservation
         return reservation
 
-    def commit(self, reservation: Reservation, durable: bool) -> list[int]:
+    def commit(self, reservation: Reservation, durable: bool, headers: list | None = None) -> list[int]:
         """Check every block where it landed, then store them all (durable: on flash and synced on
         return); returns their seqs. A block that fails its check aborts the reservation and
-        raises BlockFormatError naming it: nothing of the frame is stored."""
+        raises BlockFormatError naming it: nothing of the frame is stored. ``headers``: the blocks
+        were verified before they were copied here by this process (Engine.put_many), so they are
+        not checked again."""
         assert not reservation.resolved, "reservation committed or aborted twice"
-        views, headers, pos = [], [], 0
+        views, pos = [], 0
+        checked = headers is not None
+        headers = list(headers) if checked else []
         for i, (key, length) in enumerate(zip(reservation.keys, reservation.lengths)):
             view = reservation.view[pos:pos + length]
             pos += length
-            try:
-                headers.append(verify_block(view, expected_key=key))
-            except BlockFormatError as exc:
-                self.abort(reservation)
-                raise BlockFormatError(f"PUT item {i} (key {key.hex()}): {exc}; nothing stored") from None
+            if not checked:
+                try:
+                    headers.append(verify_block(view, expected_key=key))
+                except BlockFormatError as exc:
+                    self.abort(reservation)
+                    raise BlockFormatError(f"PUT item {i} (key {key.hex()}): {exc}; nothing stored") from None
             views.append(view)
         k0, k1 = fmt.keys_to_halves(reservation.keys)
         allocator = self._allocator
