@@ -70,16 +70,24 @@ def _seal_recovered(array: StripedArray, scan: RegionScan, generation: int) -> b
 
 
 def _load_live(live: LiveSet, table: RegionTable, region_size_bytes: int, track_hits: bool) -> BlockIndex:
-    base = table.base_seq[live.region]
-    delta = live.seq - base
+    # computed in place, one temporary column at a time: this is recovery's memory peak
+    delta = table.base_seq[live.region]
+    np.subtract(live.seq, delta, out=delta)
     assert np.all(delta <= SEQ_DELTA_MAX), "a region's seq span exceeds the index's delta field"
-    meta = delta.astype(np.uint32) | np.where(live.pinned, np.uint32(PINNED_BIT), np.uint32(0))
-    addr = live.region.astype(np.uint64) * np.uint64(region_size_bytes) + live.offset.astype(np.uint64)
+    meta = delta.astype(np.uint32)
+    del delta
+    np.bitwise_or(meta, np.uint32(PINNED_BIT), out=meta, where=live.pinned)
+    addr = live.region.astype(np.uint64)
+    addr *= np.uint64(region_size_bytes)
+    addr += live.offset
     index = BlockIndex(capacity=int(len(live.k0) / INDEX_LOAD_AT_OPEN) + 1, track_hits=track_hits)
-    index.insert_many(live.k0, live.k1, addr, live.length.astype(np.uint32), meta)
-    np.add.at(table.live_blocks, live.region, 1)
-    np.add.at(table.live_bytes, live.region, live.length)
-    np.add.at(table.pinned_bytes, live.region, np.where(live.pinned, live.length, 0))
+    index.insert_many(live.k0, live.k1, addr, live.length, meta)
+    del addr, meta
+    regions = len(table.live_blocks)
+    table.live_blocks += np.bincount(live.region, minlength=regions).astype(table.live_blocks.dtype)
+    table.live_bytes += np.bincount(live.region, live.length, minlength=regions).astype(table.live_bytes.dtype)
+    table.pinned_bytes += np.bincount(live.region[live.pinned], live.length[live.pinned],
+                                      minlength=regions).astype(table.pinned_bytes.dtype)
     for region, records in live.meta_records.items():
         table.meta_records[region] = list(records)
     return index

@@ -251,9 +251,9 @@ class LiveSet:
 
     k0: np.ndarray
     k1: np.ndarray
-    region: np.ndarray
-    offset: np.ndarray
-    length: np.ndarray
+    region: np.ndarray  # int32
+    offset: np.ndarray  # uint32, in the region
+    length: np.ndarray  # uint32
     seq: np.ndarray
     pinned: np.ndarray
     max_seq: int
@@ -261,34 +261,58 @@ class LiveSet:
 
 
 def select_live(scans: list[RegionScan]) -> LiveSet:
-    parts, regions = [], []
-    max_seq = 0
-    for scan in scans:
-        if scan.kind == RegionState.FREE:
-            continue
-        max_seq = max(max_seq, scan.last_seq, scan.base_seq)
-        parts.append(scan.entries)
-        regions.append(np.full(len(scan.entries), scan.region, np.int64))
-    entries = np.concatenate(parts) if parts else np.zeros(0, fmt.SUMMARY_DTYPE)
-    region_of = np.concatenate(regions) if regions else np.zeros(0, np.int64)
-    if len(entries):
-        max_seq = max(max_seq, int(entries["seq"].max()))
-    is_block = entries["kind"] == fmt.KIND_BLOCK
-    meta, meta_region = entries[~is_block], region_of[~is_block]
-    # block columns, contiguous: sorted and fancy-indexed as columns, not as 64-byte records
-    cols = {name: entries[name][is_block] for name in ("k0", "k1", "seq", "offset", "length", "flags")}
-    cols["region"] = region_of[is_block]
+    """The live blocks of every scanned region. Each region's entries are split into block columns
+    as it is visited, and a sealed region's raw entries are released then (only open regions'
+    are written back, by rebuild): recovery never holds every entry twice."""
+    active = [scan for scan in scans if scan.kind != RegionState.FREE]
+    with_ns = any(len(scan.entries) and (scan.entries["kind"] == fmt.KIND_NS_TOMBSTONE).any() for scan in active)
+    names = ("k0", "k1", "seq", "offset", "length", "flags") + (("ns",) if with_ns else ())
+    blocks = [int(np.count_nonzero(scan.entries["kind"] == fmt.KIND_BLOCK)) for scan in active]
+    # block columns, contiguous (sorted and fancy-indexed as columns, not as 64-byte records), filled in
+    # place region by region: no list of parts concatenated at the end
+    cols = {name: np.empty(sum(blocks), fmt.SUMMARY_DTYPE[name]) for name in names}
+    cols["region"] = np.empty(sum(blocks), np.int32)
+    metas, meta_regions = [], []
+    max_seq, at = 0, 0
+    for scan, count in zip(active, blocks):
+        entries = scan.entries
+        max_seq = max(max_seq, scan.last_seq, scan.base_seq, int(entries["seq"].max()) if len(entries) else 0)
+        is_block = entries["kind"] == fmt.KIND_BLOCK
+        for name in names:
+            cols[name][at:at + count] = entries[name][is_block]
+        cols["region"][at:at + count] = scan.region
+        at += count
+        if count < len(entries):
+            metas.append(entries[~is_block])
+            meta_regions.append(np.full(len(metas[-1]), scan.region, np.int64))
+        if scan.kind == RegionState.SEALED:
+            scan.entries = np.zeros(0, fmt.SUMMARY_DTYPE)
+        del entries, is_block
+    meta = np.concatenate(metas) if metas else np.zeros(0, fmt.SUMMARY_DTYPE)
+    meta_region = np.concatenate(meta_regions) if meta_regions else np.zeros(0, np.int64)
     keep = _newest_per_key(cols["k0"], cols["k1"], cols["seq"])
     pinned = (cols["flags"] & fmt.FLAG_PINNED) != 0
     if len(meta):
-        ns = entries["ns"][is_block]
-        keep, pinned = _apply_meta(cols, ns, keep, pinned, meta)
+        keep, pinned = _apply_meta(cols, cols.get("ns"), keep, pinned, meta)
+    return LiveSet(cols["k0"][keep], cols["k1"][keep], cols["region"][keep], cols["offset"][keep],
+                   cols["length"][keep], cols["seq"][keep], pinned[keep], max_seq,
+                   _records_by_region(meta, meta_region))
+
+
+def _records_by_region(meta: np.ndarray, meta_region: np.ndarray) -> dict[int, list[tuple]]:
+    """``{region: [(kind, k0, k1, ns, seq, target_seq), ...]}`` of the metadata records, each
+    region's in its summary order (built column by column: no per-record unpacking)."""
     records: dict[int, list[tuple]] = {}
-    for rec, region in zip(meta.tolist(), meta_region.tolist()):
-        k0, k1, ns_, seq, target_seq, _, _, kind_, _, _ = rec
-        records.setdefault(region, []).append((kind_, k0, k1, bytes(ns_), seq, target_seq))
-    return LiveSet(cols["k0"][keep], cols["k1"][keep], cols["region"][keep], cols["offset"][keep].astype(np.int64),
-                   cols["length"][keep].astype(np.int64), cols["seq"][keep], pinned[keep], max_seq, records)
+    if not len(meta):
+        return records
+    order = np.argsort(meta_region, kind="stable")
+    meta, regions = meta[order], meta_region[order]
+    rows = list(zip(meta["kind"].tolist(), meta["k0"].tolist(), meta["k1"].tolist(), meta["ns"].tolist(),
+                    meta["seq"].tolist(), meta["target_seq"].tolist()))
+    starts = np.flatnonzero(np.r_[True, regions[1:] != regions[:-1]])
+    for start, end in zip(starts.tolist(), np.r_[starts[1:], len(regions)].tolist()):
+        records[int(regions[start])] = rows[start:end]
+    return records
 
 
 def _newest_per_key(k0: np.ndarray, k1: np.ndarray, seq: np.ndarray) -> np.ndarray:
@@ -311,28 +335,53 @@ def _newest_per_key(k0: np.ndarray, k1: np.ndarray, seq: np.ndarray) -> np.ndarr
 
 
 def _apply_meta(cols, ns, keep, pinned, meta):
-    """Tombstones, namespace tombstones and pin/unpin records, oldest record first."""
-    live = np.nonzero(keep)[0]
-    key_pos = {(a, b): int(i) for a, b, i in zip(cols["k0"][live].tolist(), cols["k1"][live].tolist(), live)}
+    """Tombstones, namespace tombstones and pin/unpin records, vectorized: a tombstone drops its
+    key's newest block if that block is not newer than its target; of the pin and unpin records
+    that name a block (its key and seq), the newest decides whether it is pinned."""
     seqs = cols["seq"]
-    pin_seen: dict[int, int] = {}  # block position -> seq of the newest pin/unpin record applied
-    for rec in meta[np.argsort(meta["seq"], kind="stable")]:
-        kind = int(rec["kind"])
-        if kind == fmt.KIND_NS_TOMBSTONE:
-            ns_id = np.frombuffer(np.array([rec["k0"], rec["k1"]], "<u8").tobytes(), "V16")[0]
-            keep &= ~((ns == ns_id) & (seqs < rec["target_seq"]))
-            continue
-        pos = key_pos.get((int(rec["k0"]), int(rec["k1"])))
-        if pos is None:
-            continue
-        if kind == fmt.KIND_TOMBSTONE:
-            if int(seqs[pos]) <= int(rec["target_seq"]):
-                keep[pos] = False
-        elif kind in (fmt.KIND_PIN, fmt.KIND_UNPIN) and int(seqs[pos]) == int(rec["target_seq"]):
-            if int(rec["seq"]) >= pin_seen.get(pos, -1):
-                pin_seen[pos] = int(rec["seq"])
-                pinned[pos] = kind == fmt.KIND_PIN
+    live = np.nonzero(keep)[0]  # the newest block of each key: what per-key records refer to
+    kind = meta["kind"]
+    for rec in meta[kind == fmt.KIND_NS_TOMBSTONE]:
+        ns_id = np.frombuffer(np.array([rec["k0"], rec["k1"]], "<u8").tobytes(), "V16")[0]
+        keep &= ~((ns == ns_id) & (seqs < rec["target_seq"]))
+    per_key = meta[np.isin(kind, (fmt.KIND_TOMBSTONE, fmt.KIND_PIN, fmt.KIND_UNPIN))]
+    if not len(per_key) or not len(live):
+        return keep, pinned
+    at = _positions(cols["k0"][live], cols["k1"][live], per_key["k0"], per_key["k1"])
+    named = at >= 0
+    recs, block = per_key[named], live[at[named]]
+    tomb = recs["kind"] == fmt.KIND_TOMBSTONE
+    keep[block[tomb][seqs[block[tomb]] <= recs["target_seq"][tomb]]] = False
+    pins = ~tomb & (seqs[block] == recs["target_seq"])
+    block, recs = block[pins], recs[pins]
+    if not len(block):
+        return keep, pinned
+    order = np.lexsort((recs["seq"], block))  # per block, its records oldest first
+    block, recs = block[order], recs[order]
+    newest = np.r_[block[1:] != block[:-1], True]
+    pinned[block[newest]] = recs["kind"][newest] == fmt.KIND_PIN
     return keep, pinned
+
+
+def _positions(k0: np.ndarray, k1: np.ndarray, q0: np.ndarray, q1: np.ndarray) -> np.ndarray:
+    """For each query key (q0, q1), its position in the distinct keys (k0, k1), or -1. One sort
+    on k0; the rare k0 shared by several keys is resolved by a scan of those few."""
+    order = np.argsort(k0, kind="stable")
+    sorted_k0 = k0[order]
+    queries = np.argsort(q0)  # sorted queries walk the sorted keys in order: cache-friendly
+    lo, hi = np.empty(len(q0), np.int64), np.empty(len(q0), np.int64)
+    lo[queries] = np.searchsorted(sorted_k0, q0[queries], "left")
+    hi[queries] = np.searchsorted(sorted_k0, q0[queries], "right")
+    out = np.full(len(q0), -1, np.int64)
+    one = hi - lo == 1
+    cand = order[lo[one]]
+    out[np.flatnonzero(one)[k1[cand] == q1[one]]] = cand[k1[cand] == q1[one]]
+    for i in np.flatnonzero(hi - lo > 1).tolist():
+        for j in order[lo[i]:hi[i]].tolist():
+            if k1[j] == q1[i]:
+                out[i] = j
+                break
+    return out
 
 
 def write_summary(array: StripedArray, image: memoryview, region: int, generation: int, entries: np.ndarray,
