@@ -46,6 +46,7 @@ import numpy as np
 from kvtier.common.aligned import ALIGNMENT_BYTES, align_down, align_up
 from kvtier.common.blockformat import BlockFormatError, verify_block
 from kvtier.common.stripe import StripeGeometry
+from kvtier.common.views import views_past
 
 from .output_buffers import OutputBuffers
 from .scatter_plan import LandedBlock, Landing
@@ -296,7 +297,7 @@ class DirectReader:
             return
         total, done = sum(v.nbytes for v in views), 0
         while done < total:
-            n = os.preadv(self._fds[dev], _from(views, done), dev_off + done)
+            n = os.preadv(self._fds[dev], views_past(views, done), dev_off + done)
             if n <= 0:
                 raise OSError(5, f"short direct read on device {self.geometry.device_ids[dev]} "
                                  f"at offset {dev_off + done}: got {done} of {total} bytes")
@@ -389,15 +390,3 @@ def _windows(spans: list[_Span], window_bytes: int) -> list[list[_Span]]:
             windows.append([span])
             size = span.end - span.start
     return windows
-
-
-def _from(views: list[memoryview], skip: int) -> list[memoryview]:
-    """``views`` without their first ``skip`` bytes."""
-    out = []
-    for view in views:
-        if skip >= view.nbytes:
-            skip -= view.nbytes
-            continue
-        out.append(view[skip:])
-        skip = 0
-    return out

@@ -27,6 +27,7 @@ from typing import Sequence
 
 
 from kvtier.common.aligned import ALIGNMENT_BYTES, address_of, aligned_buffer, align_up
+from kvtier.common.views import views_past
 
 from .devicelock import DeviceBusy, block_device_busy, lock_file
 from .errors import DeviceError
@@ -157,7 +158,7 @@ class FileDevice(Device):
             if got == 0:
                 raise DeviceError(f"short read on {self.name}: {done} of {total} bytes at {offset}")
             done += got
-            views = _advance(views, got)
+            views = views_past(views, got)
 
     def _write(self, offset, buffers, total):
         views = list(buffers)
@@ -168,7 +169,7 @@ class FileDevice(Device):
             except OSError as exc:
                 raise DeviceError(f"write of {total} bytes at {offset} on {self.name} failed: {exc.strerror}") from exc
             done += put
-            views = _advance(views, put)
+            views = views_past(views, put)
 
     def sync(self) -> None:
         try:
@@ -180,17 +181,6 @@ class FileDevice(Device):
         if not self._closed:
             self._closed = True
             os.close(self._fd)
-
-
-def _advance(views: list[memoryview], count: int) -> list[memoryview]:
-    out = []
-    for view in views:
-        if count >= view.nbytes:
-            count -= view.nbytes
-            continue
-        out.append(view[count:])
-        count = 0
-    return out
 
 
 class MemoryDevice(Device):
