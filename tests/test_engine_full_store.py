@@ -395,3 +395,24 @@ def test_a_freed_region_still_on_flash_keeps_the_tombstones_for_what_it_held():
         table.stale_on_flash[0] = False  # once rewritten, nothing on flash needs it
         assert manager._needed_records(1, {1}) == []
     engine.close()
+
+
+def test_a_commit_never_writes_a_moved_pinned_block_before_the_entry_that_pins_it():
+    """A block a reclaim moved into the open region, flagged pinned by its summary entry: any later
+    commit -- even a durable PUT's, which asks for no entries -- writes the entries first. Else a
+    crash could leave the moved copy on flash, newer than its old one, and not pinned."""
+    from kvtier.common.blockformat import decode_header
+    from test_engine import block, mem_engine
+
+    engine, _, _ = mem_engine(regions=5, pinned_fraction_max=1.0)
+    try:
+        engine.put(block(2))  # an open region
+        moved = block(1)
+        with engine._lock:  # what RegionManager._move does for a pinned block
+            engine._allocator.append_moved(memoryview(moved), decode_header(moved), pinned=True)
+        image = engine._allocator.open
+        assert image.flagged_entries > image.durable_entries
+        engine._durability.commit()  # a durable PUT's commit: no entries asked for
+        assert image.durable_entries >= image.flagged_entries
+    finally:
+        engine.close()

@@ -184,6 +184,9 @@ class Durability:
             end = align_up(image.data_end)
             if end > whole_end:  # the page the next block is being copied into
                 snap.copied.append((base + whole_end, _copy(image.buffer[whole_end:end])))
+        # a block whose entry flags it (a moved pinned block) never reaches flash before that entry:
+        # else a crash could leave it there, newer than its old copy, and not pinned
+        with_entries = with_entries or image.flagged_entries > image.durable_entries
         if with_entries and image.entry_count > image.durable_entries:
             start, end = image.unsynced_tail()
             snap.entries = (base + start, _copy(image.buffer[start:end]))

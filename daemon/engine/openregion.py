@@ -39,6 +39,9 @@ class OpenRegion:
         self.entry_count = 0
         self.durable_end = 0  # bytes of the prefix known to be on flash and synced
         self.durable_entries = 0  # summary entries known to be on flash and synced
+        # entries up to the last one that flags its block (a moved pinned block): until they are durable,
+        # no commit may write those blocks without them (Durability._snapshot)
+        self.flagged_entries = 0
         self.pending_bytes = 0  # reserved from data_end for a PUT being received in place
         self.pending_entries = 0  # summary entries reserved for it
         self.io_pins = 0  # commits writing from this image outside the engine lock (see Durability.commit)
@@ -72,6 +75,7 @@ class OpenRegion:
         self.entry_count = 0
         self.durable_end = 0
         self.durable_entries = 0
+        self.flagged_entries = 0
         assert not self.pending_bytes and not self.pending_entries, "a region reset under a reservation"
         header = fmt.encode_region_header(fmt.RegionHeader(generation, region, base_seq))
         self.buffer[:fmt.REGION_HEADER_BYTES] = header
@@ -107,6 +111,8 @@ class OpenRegion:
         fmt.pack_entry(self.buffer, fmt.entry_position(self.size_bytes, self.entry_count),
                        k0, k1, ns, seq, target_seq, offset, length, kind, flags)
         self.entry_count += 1
+        if flags:
+            self.flagged_entries = self.entry_count
         self.last_seq = seq
 
     def block(self, offset: int, length: int) -> memoryview:
@@ -171,4 +177,5 @@ class OpenRegion:
             self.buffer[start:end] = bytes(end - start)
             ranges.append((align_down(start), align_up(end)))
         self.data_end, self.entry_count, self.last_seq = data_end, entry_count, last_seq
+        self.flagged_entries = min(self.flagged_entries, entry_count)
         return ranges
