@@ -162,8 +162,17 @@ class Allocator:
         assert image.last_seq - image.base_seq <= seq_span_max(self._region_size), \
             f"region {image.region}: seq span {image.last_seq - image.base_seq} exceeds its entry slots"
         base = image.region * self._region_size
+        entries_first = []
+        if image.flagged_entries > image.durable_entries:
+            # entries that flag blocks in the prefix (moved pinned blocks) land before the prefix, and
+            # without the trailer (copied before seal_ranges writes it): a seal cut short then leaves
+            # an open region whose walk finds the flags
+            start, end = image.unsynced_tail()
+            copy = aligned_buffer(end - start)
+            copy[:] = image.buffer[start:end]
+            entries_first = [(base + start, copy)]
         writes = [(base + start, image.buffer[start:end]) for start, end in image.seal_ranges()]
-        self.sealing = (image, writes, self._sealer.submit(self._seal_write, image, writes))
+        self.sealing = (image, writes, self._sealer.submit(self._seal_write, image, writes, entries_first))
         self._table.seal_started(image.region)
         self.writes_issued += 1
         self.open, self._spare = self._spare, None
@@ -171,10 +180,12 @@ class Allocator:
         if wait:
             self.reap_seal(wait=True)
 
-    def _seal_write(self, image: OpenRegion, writes: list) -> set[int]:
-        """On the sealer thread: after any commit still writing older copies of these pages."""
+    def _seal_write(self, image: OpenRegion, writes: list, entries_first: list) -> set[int]:
+        """On the sealer thread: after any commit still writing older copies of these pages (and
+        ``entries_first`` before the rest)."""
         image.wait_io_idle()
-        return self._array.write_ranges(writes)
+        touched = self._array.write_ranges(entries_first) if entries_first else set()
+        return touched | self._array.write_ranges(writes)
 
     def reap_seal(self, wait: bool) -> None:
         """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED.
