@@ -207,7 +207,8 @@ class KVCache(AsyncTwins):
         caller's ``[L, 2, 1, H, T, D]`` tensor to load into (the prefix is cut to its T
         tokens; the layers returned are views of it), else a pooled output."""
         if out is not None:
-            max_tokens = min(out_tokens(out, self.layout, self.device), max_tokens if max_tokens is not None else 1 << 62)
+            room = out_tokens(out, self.layout, self.device)
+            max_tokens = room if max_tokens is None else min(room, max_tokens)
         keys = self.keys_for(self._prefix_tokens(tokens, max_tokens))
         if self.codec.name == "raw" and str(self.device) == "cpu":
             return self._load_in_place(keys, out)
