@@ -209,7 +209,7 @@ class PinsAndDeletes:
                 flip = self._unpinned_slots(slots)
                 self._check_pin_limit(self._not_soft(flip))
                 changed = self._targets(flip)
-                undo = self._set_hard_tentatively(flip, True)
+                undo = self._set_pins_tentatively(flip, True)
                 appended = self._append_records([(fmt.KIND_PIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
                                                  for k0_, k1_, seq in changed], undo)
         if appended is None:
@@ -231,12 +231,12 @@ class PinsAndDeletes:
             appended = undo = None
             if len(flip):
                 targets = self._targets(flip)
-                undo = self._room_for_records(len(flip), lambda: self._unpin_tentatively(flip))
+                undo = self._room_for_records(len(flip), lambda: self._set_pins_tentatively(flip, False))
                 if undo is None:
                     slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
                     flip = self._hard_slots(slots)
                     targets = self._targets(flip)
-                    undo = self._unpin_tentatively(flip)
+                    undo = self._set_pins_tentatively(flip, False)
                 # else unpinned already: that is what let a region be reclaimed (the block may be gone)
                 appended = self._append_records([(fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
                                                  for k0_, k1_, seq in targets], undo)
@@ -263,16 +263,17 @@ class PinsAndDeletes:
             return slots
         return slots[~np.isin(slots, self.soft.live_slots(self._index))]
 
-    def _set_hard_tentatively(self, flip: np.ndarray, pinned: bool) -> Callable[[], None]:
-        """Hard-pin these slots in memory; the undo unpins again those still present and pinned."""
+    def _set_pins_tentatively(self, slots: np.ndarray, pinned: bool) -> Callable[[], None]:
+        """Hard-pin (or unpin) these slots in memory; the undo reverses it for those still present
+        and still as this left them."""
         index = self._index
-        keys = list(zip(index.k0[flip].tolist(), index.k1[flip].tolist()))
-        self._set_pinned_in_memory(flip, pinned)
+        keys = list(zip(index.k0[slots].tolist(), index.k1[slots].tolist()))
+        self._set_pinned_in_memory(slots, pinned)
 
         def undo() -> None:
             found = index.find_many(np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64))
             found = found[found >= 0]
-            self._set_pinned_in_memory(found[(index.meta[found] & np.uint32(PINNED_BIT)) != 0], False)
+            self._set_pinned_in_memory(found[((index.meta[found] & np.uint32(PINNED_BIT)) != 0) == pinned], not pinned)
         return undo
 
     def _set_pinned_in_memory(self, slots: np.ndarray, pinned: bool) -> None:
@@ -331,18 +332,6 @@ class PinsAndDeletes:
             if back:
                 self._blocks.events.blocks_stored(np.array([r[0] for r in back], np.uint64),
                                                   np.array([r[1] for r in back], np.uint64))
-        return undo
-
-    def _unpin_tentatively(self, slots: np.ndarray) -> Callable[[], None]:
-        """Clear these blocks' pins in memory; the undo pins again those still present."""
-        index = self._index
-        keys = list(zip(index.k0[slots].tolist(), index.k1[slots].tolist()))
-        self._set_pinned_in_memory(slots, False)
-
-        def undo() -> None:
-            found = index.find_many(np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64))
-            found = found[found >= 0]
-            self._set_pinned_in_memory(found[(index.meta[found] & np.uint32(PINNED_BIT)) == 0], True)
         return undo
 
     def _reserve_records(self, count: int) -> None:
