@@ -267,52 +267,43 @@ def select_live(scans: list[RegionScan]) -> LiveSet:
     active = [scan for scan in scans if scan.kind != RegionState.FREE]
     with_ns = any(len(scan.entries) and (scan.entries["kind"] == fmt.KIND_NS_TOMBSTONE).any() for scan in active)
     names = ("k0", "k1", "seq", "offset", "length", "flags") + (("ns",) if with_ns else ())
-    blocks = [int(np.count_nonzero(scan.entries["kind"] == fmt.KIND_BLOCK)) for scan in active]
+    is_block = [scan.entries["kind"] == fmt.KIND_BLOCK for scan in active]
+    total = sum(int(np.count_nonzero(mask)) for mask in is_block)
     # block columns, contiguous (sorted and fancy-indexed as columns, not as 64-byte records), filled in
     # place region by region: no list of parts concatenated at the end
-    cols = {name: np.empty(sum(blocks), fmt.SUMMARY_DTYPE[name]) for name in names}
-    cols["region"] = np.empty(sum(blocks), np.int32)
-    metas, meta_regions = [], []
+    cols = {name: np.empty(total, fmt.SUMMARY_DTYPE[name]) for name in names}
+    cols["region"] = np.empty(total, np.int32)
+    metas: list[tuple[int, np.ndarray]] = []  # (region, its metadata records), in scan order
     max_seq, at = 0, 0
-    for scan, count in zip(active, blocks):
-        entries = scan.entries
+    for scan, blocks in zip(active, is_block):
+        entries, count = scan.entries, int(np.count_nonzero(blocks))
         max_seq = max(max_seq, scan.last_seq, scan.base_seq, int(entries["seq"].max()) if len(entries) else 0)
-        is_block = entries["kind"] == fmt.KIND_BLOCK
         for name in names:
-            cols[name][at:at + count] = entries[name][is_block]
+            cols[name][at:at + count] = entries[name][blocks]
         cols["region"][at:at + count] = scan.region
         at += count
         if count < len(entries):
-            metas.append(entries[~is_block])
-            meta_regions.append(np.full(len(metas[-1]), scan.region, np.int64))
+            metas.append((scan.region, entries[~blocks]))
         if scan.kind == RegionState.SEALED:
             scan.entries = np.zeros(0, fmt.SUMMARY_DTYPE)
-        del entries, is_block
-    meta = np.concatenate(metas) if metas else np.zeros(0, fmt.SUMMARY_DTYPE)
-    meta_region = np.concatenate(meta_regions) if meta_regions else np.zeros(0, np.int64)
+        del entries
+    del is_block
+    meta = np.concatenate([records for _, records in metas]) if metas else np.zeros(0, fmt.SUMMARY_DTYPE)
     keep = _newest_per_key(cols["k0"], cols["k1"], cols["seq"])
     pinned = (cols["flags"] & fmt.FLAG_PINNED) != 0
     if len(meta):
         keep, pinned = _apply_meta(cols, cols.get("ns"), keep, pinned, meta)
     return LiveSet(cols["k0"][keep], cols["k1"][keep], cols["region"][keep], cols["offset"][keep],
                    cols["length"][keep], cols["seq"][keep], pinned[keep], max_seq,
-                   _records_by_region(meta, meta_region))
+                   _records_by_region(metas))
 
 
-def _records_by_region(meta: np.ndarray, meta_region: np.ndarray) -> dict[int, list[tuple]]:
+def _records_by_region(metas: list[tuple[int, np.ndarray]]) -> dict[int, list[tuple]]:
     """``{region: [(kind, k0, k1, ns, seq, target_seq), ...]}`` of the metadata records, each
     region's in its summary order (built column by column: no per-record unpacking)."""
-    records: dict[int, list[tuple]] = {}
-    if not len(meta):
-        return records
-    order = np.argsort(meta_region, kind="stable")
-    meta, regions = meta[order], meta_region[order]
-    rows = list(zip(meta["kind"].tolist(), meta["k0"].tolist(), meta["k1"].tolist(), meta["ns"].tolist(),
-                    meta["seq"].tolist(), meta["target_seq"].tolist()))
-    starts = np.flatnonzero(np.r_[True, regions[1:] != regions[:-1]])
-    for start, end in zip(starts.tolist(), np.r_[starts[1:], len(regions)].tolist()):
-        records[int(regions[start])] = rows[start:end]
-    return records
+    return {region: list(zip(meta["kind"].tolist(), meta["k0"].tolist(), meta["k1"].tolist(), meta["ns"].tolist(),
+                             meta["seq"].tolist(), meta["target_seq"].tolist()))
+            for region, meta in metas}
 
 
 def _newest_per_key(k0: np.ndarray, k1: np.ndarray, seq: np.ndarray) -> np.ndarray:
