@@ -25,6 +25,8 @@ index does not spend 8 bytes a block on it. Namespace ids are not kept here
 from __future__ import annotations
 
 import secrets
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
@@ -154,6 +156,15 @@ class BlockIndex:
             return None
         return slots if self.version == before else None
 
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """A change of which keys are present: :attr:`version` is odd while it runs."""
+        self.version += 1
+        try:
+            yield
+        finally:
+            self.version += 1
+
     def live_slots(self) -> np.ndarray:
         ln = self.length
         return np.nonzero((ln != EMPTY) & (ln != DELETED))[0]
@@ -173,8 +184,7 @@ class BlockIndex:
     # -- updates ---------------------------------------------------------
     def insert(self, k0: int, k1: int, addr: int, length: int, meta: int) -> int:
         """Add a key that is not present; returns its slot."""
-        self.version += 1
-        try:
+        with self._changing():
             assert EMPTY < length < DELETED, length
             self._reserve(1)
             capacity = self.capacity
@@ -193,13 +203,10 @@ class BlockIndex:
                 self.hits[pos] = 0
             self._live += 1
             return pos
-        finally:
-            self.version += 1
 
     def insert_many(self, k0, k1, addr, length, meta, hits=None) -> None:
         """Add keys that are absent and unique within the batch, vectorized (read counts 0 unless given)."""
-        self.version += 1
-        try:
+        with self._changing():
             n = len(k0)
             if not n:
                 return
@@ -208,8 +215,6 @@ class BlockIndex:
             self._place(np.asarray(k0, np.uint64), np.asarray(k1, np.uint64), np.asarray(addr, np.uint64),
                         np.asarray(length, np.uint32), np.asarray(meta, np.uint32),
                         np.zeros(n if self.track_hits else 0, np.uint8) if hits is None else np.asarray(hits, np.uint8))
-        finally:
-            self.version += 1
 
     def _place(self, k0, k1, addr, length, meta, hits) -> None:
         pending = np.arange(len(k0))
@@ -247,8 +252,7 @@ class BlockIndex:
 
     def remove(self, slots) -> None:
         """Delete the given live slots."""
-        self.version += 1
-        try:
+        with self._changing():
             slots = np.unique(np.asarray(slots, np.int64))
             if not slots.size:
                 return
@@ -257,16 +261,11 @@ class BlockIndex:
             self.length[slots] = DELETED
             self._live -= len(slots)
             self._deleted += len(slots)
-        finally:
-            self.version += 1
 
     def clear(self) -> None:
-        self.version += 1
-        try:
+        with self._changing():
             self._allocate(CAPACITY_MIN)
             self._live = self._deleted = 0
-        finally:
-            self.version += 1
 
     def _reserve(self, extra: int) -> None:
         if self._live + self._deleted + extra <= self.capacity * LOAD_FACTOR_MAX:
