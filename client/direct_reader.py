@@ -185,17 +185,16 @@ class DirectReader:
             raise ValueError(f"{len(keys)} keys but {len(locations)} locations")
         results: list = [None] * len(keys)
         spans = self._plan(locations)
-        failures = [0]
         for window in _windows(spans, WINDOW_BYTES_MAX):
-            self._read_window(window, keys, locations, landing, results, failures)
+            self._read_window(window, keys, locations, landing, results)
+        failures = results.count(None)  # every block lies in a span: None is one that did not verify
         with self._lock:
-            self._blocks += len(keys) - failures[0]
+            self._blocks += len(keys) - failures
             self._bytes += sum(s.end - s.start for s in spans)
-            self._failures += failures[0]
+            self._failures += failures
         return results
 
-    def _read_window(self, spans: list[_Span], keys, locations, landing: Landing | None, results: list,
-                     failures: list[int]) -> None:
+    def _read_window(self, spans: list[_Span], keys, locations, landing: Landing | None, results: list) -> None:
         """Read, verify (and land) one window of spans. Its landing buffers are pooled, pre-faulted and
         page-aligned; they are free again for the next window once nothing refers to them (with a
         landing, as soon as this returns; else once the caller drops the blocks handed out)."""
@@ -210,8 +209,6 @@ class DirectReader:
                 try:
                     verify_block(block, expected_key=keys[i], expected_seq=loc.seq)
                 except BlockFormatError:
-                    with self._lock:
-                        failures[0] += 1
                     continue
                 results[i] = block if landing is None else _land(block, landing, i)
         self._read_spans(spans, buffers, check)
