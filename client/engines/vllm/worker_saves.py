@@ -43,7 +43,6 @@ class WorkerSaves:
         self._idle: list[torch.Tensor] = []
         self._gathered: set[int] = set()
         self._block_ids: list[int] = []
-        self._pending: list[Future] = []  # queued saves not known to be finished
         self.counters = {"saved_blocks": 0, "failed_saves": 0}
 
     def begin(self, block_ids: list[int]) -> None:
@@ -70,7 +69,6 @@ class WorkerSaves:
         for layer in range(len(self._views)):
             self.gather_layer(layer)
         staging = self._staging
-        self._pending = [f for f in self._pending if not f.done()]
         step_saves: list[Future] = []
         row = 0
         for op in ops:
@@ -82,7 +80,6 @@ class WorkerSaves:
             except (RuntimeError, OSError) as exc:  # a closed queue
                 self.counters["failed_saves"] += op.num_blocks
                 logger.warning("kvtier save of %d blocks not queued (%s); they will be misses", op.num_blocks, exc)
-        self._pending.extend(step_saves)
         self._lent.append((staging, step_saves))  # the saves read it until they are done
         self._staging = None
         self._block_ids = []
@@ -90,7 +87,7 @@ class WorkerSaves:
     def wait_stored(self, timeout_s: float | None = None) -> bool:
         """Wait until every save queued so far has finished (stored, failed or dropped);
         False on timeout. Steps never call this: it is for shutdown paths and tests."""
-        _, not_done = wait(list(self._pending), timeout=timeout_s)
+        _, not_done = wait([f for _, saves in self._lent for f in saves], timeout=timeout_s)
         return not not_done
 
     def _buffer(self, n: int, like: torch.Tensor) -> torch.Tensor:
