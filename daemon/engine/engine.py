@@ -55,7 +55,7 @@ from .config import EngineConfig
 from .devices import Device
 from .durability import Durability
 from .errors import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError
-from .get_driver import GetDriver
+from .get_driver import BlockInMemory, GetDriver
 from .index import PINNED_BIT
 from .locations import LOCATION_DTYPE, BlockLocation
 from .pins_and_deletes import PinsAndDeletes
@@ -145,7 +145,7 @@ class Engine:
                                       self._lock, self._seqs, self._counters,
                                       make_reinsertion(cfg.reinsertion_hits_min), size, cfg.clean_regions_target)
         self._gets = GetDriver(self._blocks, self._allocator, self._reader, self._lock, self._counters,
-                               self._check_open, size)
+                               self._check_open, size, self._array)
         self._pins_and_deletes = PinsAndDeletes(self._blocks, self._allocator, self._durability, self._array,
                                                 self._lock, self._seqs, self._check_open, size, self._counters,
                                                 cfg.pinned_fraction_max, self._regions.data_regions)
@@ -322,6 +322,17 @@ class Engine:
         checks header, key and seq of blocks read from flash but not the payload CRC: for a
         caller passing the block to a reader that checks it (the daemon's GET)."""
         return self._gets.get(keys, bufs, placed=True, verify_payload=verify_payload)
+
+    def blocks_in_memory(self, keys: Sequence) -> list[BlockInMemory | None]:
+        """Per key, the block as the device memory it lies in (every device memory-backed: a
+        memory filesystem, the in-memory device), its header checked there, or None; see
+        :meth:`GetDriver.in_memory`. The payload may change under a reclaim: for readers that
+        verify it after taking it (a NIXL WRITE straight from this memory)."""
+        return self._gets.in_memory(keys)
+
+    def device_memories(self) -> tuple[memoryview, ...] | None:
+        """Every device's bytes as read-only memory, or None unless all are memory-backed."""
+        return self._array.memories()
 
     def record_misses(self, count: int) -> None:
         """Count GETs of keys a caller found absent with :meth:`locate_buffer` and so
