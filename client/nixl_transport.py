@@ -42,15 +42,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
-from kvtier.common.blockformat import BlockFormatError, verify_block
+from kvtier.common.blockformat import BlockFormatError
 from kvtier.common.ucx_env import TransportPlan, apply_ucx_environment
 from kvtier.wire import connection as p
 from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
-from kvtier.wire.nixl_frames import notification
+from kvtier.wire.nixl_frames import notification_prefix, parse_part_notification
 from kvtier.wire.sockets import receive_some, sendmsg_all
 
 from .block_client import _exported
+from .nixl_arrivals import ArrivingBlocks
+
+log = logging.getLogger("kvtier.client.nixl")
 
 NOTIFICATION_TIMEOUT_S = 5.0  # after the reply, the daemon's notification is due at once: a stalled UCX peer
 DESTINATION_BUFFERS_MAX = 8  # registered destination buffers kept; more requests at once wait or go to TCP
@@ -174,20 +177,20 @@ class ClientAgent:
                 sender = sender.decode() if isinstance(sender, bytes) else sender
                 self._notes.update((sender, bytes(msg)) for msg in messages)
 
-    def wait_notification(self, daemon: str, message: bytes, timeout_s: float) -> bool:
-        """Whether ``daemon``'s notification ``message`` arrived within ``timeout_s``. NIXL has no
-        blocking wait: this progresses the agent and polls its list."""
-        deadline = time.monotonic() + timeout_s
-        want = (daemon, message)
-        while True:
-            self.progress()
-            with self._notes_lock:
-                if want in self._notes:
-                    self._notes.discard(want)
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            os.sched_yield()
+    def take_parts(self, daemon: str, request_id: int) -> list[tuple[int, int, int]]:
+        """The ``(item, offset, length)`` ranges ``daemon`` has notified for request ``request_id``
+        since the last call (each is handed out once; a malformed notification is dropped)."""
+        prefix = notification_prefix(request_id)
+        with self._notes_lock:
+            mine = [note for note in self._notes if note[0] == daemon and note[1].startswith(prefix)]
+            self._notes.difference_update(mine)
+        ranges = []
+        for _, message in mine:
+            try:
+                ranges += parse_part_notification(message)[1]
+            except ValueError as exc:
+                log.warning("event=nixl_notification_dropped daemon=%s error=%s", daemon, exc)
+        return ranges
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,7 @@ class NixlTransport:
             raise NixlFetchFailed("every NIXL destination buffer is in use")
         starts = np.cumsum([0] + spans[:-1]).tolist()
         base = buffer_address(buf)
+        arriving = ArrivingBlocks(buf, starts, list(lengths))
         results: list = [None] * len(keys)
         pending = list(range(len(keys)))
         ch = self._take_channel()
@@ -338,11 +342,12 @@ class NixlTransport:
             while pending:
                 self._declare(ch)  # a buffer registered since: the daemon must know it first
                 lengths_written = self._get(ch, [keys[i] for i in pending],
-                                            [(base + starts[i], lengths[i]) for i in pending], ns_id)
+                                            [(base + starts[i], lengths[i]) for i in pending], ns_id,
+                                            arriving, pending)
                 deferred = [i for i, n in zip(pending, lengths_written) if n == DEFERRED_LENGTH]
                 for i, n in zip(pending, lengths_written):
                     if n and n != DEFERRED_LENGTH:
-                        results[i] = self._verified(buf, starts[i], n, keys[i], seqs[i])
+                        results[i] = self._verified(arriving, i, n, keys[i], seqs[i])
                 pending = deferred
         except NixlFetchFailed:
             raise  # the connection serves on
@@ -354,26 +359,38 @@ class NixlTransport:
             self._give_channel(ch)
         return results
 
-    def _get(self, ch: ControlChannel, keys, descriptors, ns_id) -> tuple[int, ...]:
+    def _get(self, ch: ControlChannel, keys, descriptors, ns_id, arriving: ArrivingBlocks,
+             items: list[int]) -> tuple[int, ...]:
+        """One NIXL_GET of ``keys`` (``items``: their indexes in ``arriving``); the parts the daemon
+        notifies are checked as they come, while the reply is awaited and after it."""
+        def take_parts() -> None:
+            self.agent.progress()
+            for item, offset, length in self.agent.take_parts(self._daemon_agent, ch.last_request_id):
+                if item < len(items):
+                    arriving.arrived(items[item], offset, length)
+
         try:
             reply = ch.exchange(m.NixlGet(0, tuple(keys), self.agent.name, tuple(descriptors), ns_id, True),
-                                while_waiting=self.agent.progress, poll_s=self._poll_s)
+                                while_waiting=take_parts, poll_s=self._poll_s)
         except p.RemoteError as exc:
             self._count(refused=1)
             raise NixlFetchFailed(f"NIXL_GET refused by the daemon: {exc}") from None
         self._count(requests=1)
-        request_id = ch.last_request_id
-        if any(n and n != DEFERRED_LENGTH for n in reply.lengths):
-            if not self.agent.wait_notification(self._daemon_agent, notification(request_id), NOTIFICATION_TIMEOUT_S):
+        written = [(items[j], n) for j, n in enumerate(reply.lengths) if n and n != DEFERRED_LENGTH]
+        deadline = time.monotonic() + NOTIFICATION_TIMEOUT_S
+        while True:
+            take_parts()
+            if all(arriving.covered(i, n) for i, n in written):
+                return reply.lengths
+            if time.monotonic() > deadline:
                 self._count(notification_timeouts=1)
-                raise NixlFetchFailed(f"no NIXL notification for request {request_id} within "
-                                      f"{NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
-        return reply.lengths
+                raise NixlFetchFailed(f"the NIXL notifications of request {ch.last_request_id} did not cover its "
+                                      f"blocks within {NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
+            os.sched_yield()
 
-    def _verified(self, buf: memoryview, start: int, length: int, key: bytes, seq: int):
-        view = buf[start:start + length].toreadonly()
+    def _verified(self, arriving: ArrivingBlocks, item: int, length: int, key: bytes, seq: int):
         try:
-            verify_block(view, key, seq)
+            view = arriving.finish(item, length, key, seq)
         except BlockFormatError:
             self._count(corrupt_blocks=1)
             return None

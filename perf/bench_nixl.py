@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib*", "NIXL_LOG_LEVEL": "WARN"}
 TLS = {"sm": "self,sm,tcp", "tcp": "self,tcp"}
+REGION_MIB = 64
 NS = b"\x0b" * 16
 
 
@@ -47,7 +48,9 @@ def _rate(nbytes: int, seconds: list[float]) -> dict:
 
 
 # -- 1. end-to-end GET -------------------------------------------------------------
-def child_get(tls: str, block_mib: int, total_mib: int, rounds: int) -> dict:
+def child_get(tls: str, block_mib: int, total_mib: int, rounds: int, where: str = "dram") -> dict:
+    """``where``: ``dram``, device files on tmpfs (the daemon WRITEs from their memory); ``flash``,
+    device files on the disk under perf/out, the blocks sealed out of the DRAM image (O_DIRECT reads)."""
     from daemon_proc import start_kvtierd
     from kvtier.client import BlockClient
     from kvtier.client.nixl_transport import NixlTransport
@@ -55,9 +58,12 @@ def child_get(tls: str, block_mib: int, total_mib: int, rounds: int) -> dict:
 
     os.environ.update(LOOPBACK, KVTIER_NIXL_TLS=TLS[tls])
     count = max(1, total_mib // block_mib)
-    data_dir = Path(tempfile.mkdtemp(prefix="kvtier-nixl-", dir="/dev/shm"))
-    device_mib = max(64, 2 * total_mib // 4 + 2 * block_mib)
-    d = start_kvtierd(data_dir, "--nixl", "on", "--nixl-tls", TLS[tls], "--region-size", "64m",
+    parent = "/dev/shm" if where == "dram" else str(ROOT / "perf" / "out")
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    data_dir = Path(tempfile.mkdtemp(prefix="kvtier-nixl-", dir=parent))
+    filler_mib = 0 if where == "dram" else 2 * REGION_MIB  # seals the blocks' region: none left in DRAM
+    device_mib = max(64, 2 * (total_mib + filler_mib) // 4 + 2 * block_mib)
+    d = start_kvtierd(data_dir, "--nixl", "on", "--nixl-tls", TLS[tls], "--region-size", f"{REGION_MIB}m",
                       "--device-size", f"{device_mib}m", env={**os.environ})
     try:
         keys = [struct.pack("<QQ", 7, i) for i in range(count)]
@@ -65,9 +71,13 @@ def child_get(tls: str, block_mib: int, total_mib: int, rounds: int) -> dict:
         nbytes = sum(len(b) for b in blocks)
         with BlockClient(d.data_addr, pool_size=1) as client:
             client.put_many(list(zip(keys, blocks)), ns_id=NS)
+            for i in range(filler_mib // 2):
+                client.put_many([(struct.pack("<QQ", 8, i), encode_block(struct.pack("<QQ", 8, i), NS, 0,
+                                                                          bytes((2 << 20) - 64)))], ns_id=NS)
             client.flush()
             del blocks
             _, locations = client.lookup_locations(keys, ns_id=NS)
+            geometry = client.geometry()
             transport = NixlTransport(d.data_addr, pool_size=1)
             lengths, seqs = [loc.length for loc in locations], [loc.seq for loc in locations]
             tcp_s, nixl_s = [], []
@@ -84,11 +94,88 @@ def child_get(tls: str, block_mib: int, total_mib: int, rounds: int) -> dict:
                 del got
             stats = transport.statistics()
             transport.close()
-        return {"tls": TLS[tls], "transport": stats.transport, "block_mib": block_mib, "blocks": count,
-                "tcp": _rate(nbytes, tcp_s), "nixl": _rate(nbytes, nixl_s)}
+            served = client.stats()["nixl"].get("blocks_from_device_memory", 0)
+        devices = sorted(str(p) for p in data_dir.glob("device*.img"))
+        ranges = block_ranges(geometry, locations)
+        out = {"tls": TLS[tls], "where": where, "transport": stats.transport, "block_mib": block_mib,
+               "blocks": count, "blocks_from_device_memory": served, "tcp": _rate(nbytes, tcp_s),
+               "nixl": _rate(nbytes, nixl_s)}
+        if where == "dram":
+            out["single_copy"] = single_copy(devices[0], nbytes, rounds)
+        else:
+            d.stop()
+            by_id = device_paths(devices)
+            out["fio_devices"] = fio_devices({by_id[geometry.device_ids[dev]]: r for dev, r in ranges.items()}, rounds)
+        return out
     finally:
         d.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def single_copy(path: str, nbytes: int, rounds: int) -> dict:
+    """The ceiling of a WRITE over shared memory here: ``process_vm_writev`` (what UCX's CMA transport
+    does) of ``nbytes`` from a read-only mapping of a tmpfs device file into an anonymous buffer."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    size = min(nbytes, os.path.getsize(path))
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    source = np.frombuffer(mapping, np.uint8)
+    target = np.ones(size, np.uint8)
+    local, remote = IoVec(source.ctypes.data, size), IoVec(target.ctypes.data, size)
+    seconds = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        if libc.process_vm_writev(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != size:
+            raise OSError(ctypes.get_errno(), "process_vm_writev")
+        seconds.append(time.perf_counter() - started)
+    del source
+    mapping.close()
+    os.close(fd)
+    return _rate(size, seconds)
+
+
+def block_ranges(geometry, locations) -> dict[int, tuple[int, int]]:
+    """Per device index, the (offset, length) span its share of the blocks lies in."""
+    spans: dict[int, list[int]] = {}
+    for loc in locations:
+        for dev, offset, length in geometry.map_range(loc.logical_offset, loc.length):
+            lo, hi = spans.get(dev, (offset, offset + length))
+            spans[dev] = [min(lo, offset), max(hi, offset + length)]
+    return {dev: (lo // 4096 * 4096, -(-hi // 4096) * 4096 - lo // 4096 * 4096) for dev, (lo, hi) in spans.items()}
+
+
+def device_paths(paths: list[str]) -> dict[str, str]:
+    from kvtier.daemon.engine.superblock import decode_superblock
+
+    out = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            out[decode_superblock(f.read(4096)).device_uuid.hex()] = path
+    return out
+
+
+def fio_devices(ranges: dict[str, tuple[int, int]], rounds: int) -> dict:
+    """fio reading the blocks' own byte ranges of every device file at once, one job per device (the
+    daemon's RAID0 reads them so), 2 MiB O_DIRECT reads."""
+    rates = []
+    for _ in range(rounds):
+        jobs = [arg for i, (path, (offset, size)) in enumerate(sorted(ranges.items()))
+                for arg in (f"--name=dev{i}", f"--filename={path}", f"--offset={offset}", f"--size={size}")]
+        out = subprocess.run(["fio", "--rw=read", "--bs=2m", "--direct=1", "--ioengine=psync", "--group_reporting",
+                              "--output-format=json", *jobs], capture_output=True, text=True, timeout=300)
+        rates.append(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9)
+    return {"best_gbs": max(rates), "median_gbs": statistics.median(rates), "devices": len(ranges),
+            "command": "fio --rw=read --bs=2m --direct=1 --ioengine=psync --group_reporting, one job per device "
+                       "file over the blocks' byte range there"}
 
 
 # -- 2. raw transfers ----------------------------------------------------------------
@@ -249,7 +336,8 @@ def file_reads(path: str, file_mib: int, rounds: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child-get":
-        print(json.dumps(child_get(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))), flush=True)
+        print(json.dumps(child_get(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])),
+              flush=True)
         os._exit(0)  # a UCX backend exists: skip its teardown at exit (docs/nixl.md)
     if len(sys.argv) > 1 and sys.argv[1] == "--child-raw":
         child_raw_initiator(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -262,14 +350,15 @@ def main() -> None:
     args = ap.parse_args()
     rounds = 3 if args.quick else 6
     results: dict = {"machine": f"{os.cpu_count()} cores, shared", "get": [], "raw": []}
-    for tls in ("sm", "tcp"):
-        for block_mib in (2, 32):
-            out = subprocess.run([sys.executable, __file__, "--child-get", tls, str(block_mib), str(args.total_mib),
-                                  str(rounds)], capture_output=True, text=True, timeout=600)
-            line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-            if out.returncode != 0 or not line:
-                raise RuntimeError(f"GET child failed ({out.returncode}): {out.stderr[-3000:]}")
-            results["get"].append(json.loads(line[-1]))
+    for tls, block_mib, where in [("sm", 2, "dram"), ("sm", 32, "dram"), ("tcp", 2, "dram"), ("tcp", 32, "dram"),
+                                  ("sm", 2, "flash"), ("sm", 32, "flash")]:
+        print(f"GET: {tls}, {block_mib} MiB blocks, {where}", file=sys.stderr, flush=True)
+        out = subprocess.run([sys.executable, __file__, "--child-get", tls, str(block_mib), str(args.total_mib),
+                              str(rounds), where], capture_output=True, text=True, timeout=600)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        if out.returncode != 0 or not line:
+            raise RuntimeError(f"GET child failed ({out.returncode}): {out.stderr[-3000:]}")
+        results["get"].append(json.loads(line[-1]))
     for tls in ("sm", "tcp"):
         for mode in ("WRITE", "READ"):
             results["raw"].append(raw_transfer(tls, mode, 32 << 20, rounds))
@@ -288,13 +377,16 @@ def main() -> None:
 
 
 def print_table(r: dict) -> None:
-    print("| GET | UCX_TLS | block | kvtier TCP GET best (median) GB/s | nixl best (median) GB/s | ratio (best) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| GET | UCX_TLS | blocks in | block | from device memory | kvtier TCP GET best (median) GB/s | "
+          "nixl best (median) GB/s | nixl / TCP (best) | ceiling: single copy or fio, best GB/s | nixl / ceiling |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for g in r["get"]:
-        print(f"| {g['transport']} | {g['tls']} | {g['block_mib']} MiB x{g['blocks']} | "
-              f"{g['tcp']['best_gbs']:.2f} ({g['tcp']['median_gbs']:.2f}) | "
+        ceiling = g.get("single_copy") or g.get("fio_devices")
+        print(f"| {g['transport']} | {g['tls']} | {g['where']} | {g['block_mib']} MiB x{g['blocks']} | "
+              f"{g['blocks_from_device_memory']} | {g['tcp']['best_gbs']:.2f} ({g['tcp']['median_gbs']:.2f}) | "
               f"{g['nixl']['best_gbs']:.2f} ({g['nixl']['median_gbs']:.2f}) | "
-              f"{g['nixl']['best_gbs'] / g['tcp']['best_gbs']:.2f}x |")
+              f"{g['nixl']['best_gbs'] / g['tcp']['best_gbs']:.2f}x | {ceiling['best_gbs']:.2f} | "
+              f"{g['nixl']['best_gbs'] / ceiling['best_gbs']:.2f}x |")
     print()
     print("| raw NIXL, 32 MiB | UCX_TLS | best (median) GB/s |")
     print("| --- | --- | --- |")

@@ -131,6 +131,25 @@ def test_encoders_refuse_what_the_decoders_would():
         client.send(m.NixlGet(1, (b"short",), "a", ((4096, 1),)))
 
 
-def test_notification_names_the_request():
-    assert nf.notification(5) == b"kvtier-get:" + struct.pack("<Q", 5)
-    assert nf.notification(5) != nf.notification(6)
+def test_a_part_notification_names_its_request_and_ranges():
+    message = nf.part_notification(5, [(0, 0, 8 << 20), (3, 4096, 100)])
+    assert message.startswith(nf.notification_prefix(5)) and not message.startswith(nf.notification_prefix(6))
+    assert nf.parse_part_notification(message) == (5, [(0, 0, 8 << 20), (3, 4096, 100)])
+
+
+@pytest.mark.parametrize("message,problem", [
+    (b"other:" + bytes(20), "not a kvtier NIXL_GET notification"),
+    (nf.notification_prefix(5), "not a kvtier NIXL_GET notification"),
+    (nf.part_notification(5, [(0, 0, 1)])[:-1], "1 ranges in 15 bytes"),
+    (nf.notification_prefix(5) + struct.pack("<I", 0), "0 ranges in 0 bytes"),
+])
+def test_a_malformed_part_notification_is_refused(message, problem):
+    with pytest.raises(ValueError, match=problem):
+        nf.parse_part_notification(message)
+
+
+def test_a_part_notification_names_at_least_one_range_and_not_too_many():
+    with pytest.raises(ValueError, match="1..4096 ranges"):
+        nf.part_notification(1, [])
+    with pytest.raises(ValueError, match="1..4096 ranges"):
+        nf.part_notification(1, [(0, 0, 1)] * (nf.PART_RANGES_MAX + 1))

@@ -22,7 +22,7 @@ from kvtier.common.ucx_env import rdma_devices  # noqa: E402
 from kvtier.wire import connection as p  # noqa: E402
 from kvtier.wire import events as m  # noqa: E402
 from kvtier.wire.frames import pack_header  # noqa: E402
-from kvtier.wire.nixl_frames import notification  # noqa: E402
+from kvtier.wire.frames import DEFERRED_LENGTH  # noqa: E402
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", **({} if rdma_devices() else {"UCX_MODULES": "^ib*"})}
 os.environ.update(LOOPBACK_ENV)
@@ -72,8 +72,12 @@ class RawPeer:
         reply = self.ch.exchange(m.NixlGet(0, tuple(keys), agent_name or self.agent.name, tuple(descriptors), NS,
                                            True), while_waiting=self.agent.progress)
         request_id = self.ch.last_request_id
-        if any(reply.lengths):
-            assert self.agent.wait_notification(self.daemon_agent, notification(request_id), 10.0)
+        written = sum(n for n in reply.lengths if n != DEFERRED_LENGTH)
+        arrived, deadline = 0, time.monotonic() + 10.0
+        while arrived < written:  # the part notifications of every byte written
+            assert time.monotonic() < deadline, (arrived, written)
+            self.agent.progress()
+            arrived += sum(n for _, _, n in self.agent.take_parts(self.daemon_agent, request_id))
         return reply
 
     def untouched(self) -> bool:

@@ -32,12 +32,37 @@ assert REGION.size == 16
 DESCRIPTOR = struct.Struct("<16sQI")  # NIXL_GET item: key, address, capacity_bytes
 assert DESCRIPTOR.size == m.KEY_SIZE + 12
 ADDRESS_MAX = 2**64 - 1
-NOTIFICATION_PREFIX = b"kvtier-get:"  # a NIXL_GET's notification: this, then the request id (u64 LE)
+NOTIFICATION_PREFIX = b"kvtier-get:"  # a NIXL_GET part's notification: this, the request id, its ranges
+PART_HEAD = struct.Struct("<QI")  # request id, ranges
+PART_RANGE = struct.Struct("<IQI")  # item index, offset within the item's block, length
+PART_RANGES_MAX = 4096  # one notification names at most this many ranges
 
 
-def notification(request_id: int) -> bytes:
-    """The NIXL notification the daemon sends once a NIXL_GET's blocks are written."""
+def notification_prefix(request_id: int) -> bytes:
+    """What every notification of one NIXL_GET starts with."""
     return NOTIFICATION_PREFIX + struct.pack("<Q", request_id)
+
+
+def part_notification(request_id: int, ranges) -> bytes:
+    """The notification the daemon sends once one part of a NIXL_GET is written: the
+    ``(item, offset, length)`` ranges of the items' blocks that part carried."""
+    ranges = list(ranges)
+    if not 0 < len(ranges) <= PART_RANGES_MAX:
+        raise ValueError(f"a part notification names 1..{PART_RANGES_MAX} ranges, got {len(ranges)}")
+    return NOTIFICATION_PREFIX + PART_HEAD.pack(request_id, len(ranges)) + b"".join(
+        PART_RANGE.pack(item, offset, length) for item, offset, length in ranges)
+
+
+def parse_part_notification(message: bytes) -> tuple[int, list[tuple[int, int, int]]]:
+    """(request id, ranges) of a part notification; ValueError names what is wrong with it."""
+    head = len(NOTIFICATION_PREFIX)
+    if not message.startswith(NOTIFICATION_PREFIX) or len(message) < head + PART_HEAD.size:
+        raise ValueError(f"not a kvtier NIXL_GET notification ({len(message)} bytes)")
+    request_id, count = PART_HEAD.unpack_from(message, head)
+    body = head + PART_HEAD.size
+    if not 0 < count <= PART_RANGES_MAX or len(message) != body + count * PART_RANGE.size:
+        raise ValueError(f"notification of request {request_id}: {count} ranges in {len(message) - body} bytes")
+    return request_id, [PART_RANGE.unpack_from(message, body + i * PART_RANGE.size) for i in range(count)]
 
 
 def _reject(head: FrameHead, code: ErrorCode, message: str) -> ProtocolError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.common.ucx_env import TransportPlan, apply_ucx_environment
+from kvtier.wire.nixl_frames import part_notification
 
 log = logging.getLogger("kvtier.daemon.nixl")
 
@@ -70,6 +71,8 @@ class AgentStatistics:
     peers: int
     registered_buffers: int
     registered_bytes: int
+    device_memories: int  # memory-backed devices registered once, WRITten from in place
+    device_memory_bytes: int
     writes: int
     bytes_written: int
     failures: int
@@ -96,6 +99,7 @@ class DaemonAgent:
         self._lock = threading.Lock()
         self._registered: OrderedDict[tuple[int, int], tuple[object, object]] = OrderedDict()  # -> (buffer, descs)
         self._in_use: dict[tuple[int, int], int] = {}
+        self._fixed: dict[tuple[int, int], tuple[object, object]] = {}  # registered for the agent's life
         self._peers: dict[str, int] = {}  # remote agent -> sessions that loaded it
         self._writes = self._bytes_written = self._failures = self._timeouts = 0
 
@@ -128,6 +132,24 @@ class DaemonAgent:
             log.info("event=nixl_peer_remove_failed agent=%s error=%s", name, exc)
 
     # -- registration ---------------------------------------------------------
+    def register_fixed(self, buffers) -> None:
+        """Register buffers that outlive the agent (memory-backed devices) once, for good: WRITEs may
+        then name any address inside them without registering anything per transfer. A buffer
+        NIXL refuses raises NixlTransferError, and none of this call's is kept registered."""
+        with self._lock:
+            added = []
+            try:
+                for buffer in buffers:
+                    key = (buffer_address(buffer), memoryview(buffer).nbytes)
+                    if key not in self._fixed:
+                        descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM", backends=["UCX"])
+                        self._fixed[key] = (buffer, descs)
+                        added.append(key)
+            except Exception as exc:
+                for key in added:
+                    self._agent.deregister_memory(self._fixed.pop(key)[1], backends=["UCX"])
+                raise NixlTransferError(f"NIXL cannot register device memory: {type(exc).__name__}: {exc}") from None
+
     def _register(self, buffer: memoryview) -> tuple[int, int]:
         key = (buffer_address(buffer), buffer.nbytes)
         with self._lock:
@@ -160,45 +182,15 @@ class DaemonAgent:
             total -= key[1]
 
     # -- transfers ------------------------------------------------------------
-    def write(self, peer: str, buffers: list[memoryview], local: list[tuple[int, int]],
-              remote: list[tuple[int, int]], notification: bytes) -> None:
-        """WRITE ``local[i] = (address, length)`` (inside ``buffers``) to the peer's ``remote[i]``,
-        then notify it; returns once DONE (NixlTransferError when it fails or times out)."""
-        assert len(local) == len(remote) and local, (len(local), len(remote))
-        keys = [self._register(b) for b in buffers]
-        handle = None
-        try:
-            local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
-            remote_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
-            try:
-                handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notification)
-                state = self._agent.transfer(handle)
-            except Exception as exc:
-                self._count(failures=1)
-                raise NixlTransferError(f"NIXL WRITE to {peer} could not be posted: {type(exc).__name__}: {exc}") \
-                    from None
-            deadline = time.monotonic() + self._timeout_s
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    self._count(timeouts=1)
-                    raise NixlTransferError(f"NIXL WRITE to {peer} not done within {self._timeout_s} s "
-                                            "(TRANSFER_TIMEOUT_S)", timed_out=True)
-                os.sched_yield()  # a busy machine: let the peer (and its progress) run between polls
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                self._count(failures=1)
-                raise NixlTransferError(f"NIXL WRITE to {peer} failed (state {state})")
-            self._count(writes=1, nbytes=sum(n for _, n in local))
-        finally:
-            released = True
-            if handle is not None:
-                try:
-                    handle.release()
-                except Exception as exc:  # still in flight and not cancellable: NIXL keeps it as leaked
-                    log.warning("event=nixl_release_failed agent=%s error=%s", peer, exc)
-                    released = False
-            if released:  # else its buffers stay registered (in use) for good: it may still read them
-                self._release(keys)
+    def write(self, peer: str, buffers: list[memoryview], parts: list, request_id: int) -> None:
+        """Post every part (see :class:`Transfer`) and wait for all of them."""
+        with self.transfer(peer, request_id) as transfer:
+            transfer.post(parts, buffers)
+            transfer.wait()
+
+    def transfer(self, peer: str, request_id: int) -> "Transfer":
+        """The WRITEs of one NIXL_GET to ``peer``: posted part by part, then waited for."""
+        return Transfer(self, peer, request_id)
 
     def _count(self, writes: int = 0, nbytes: int = 0, failures: int = 0, timeouts: int = 0) -> None:
         with self._lock:
@@ -210,5 +202,74 @@ class DaemonAgent:
     def statistics(self) -> AgentStatistics:
         with self._lock:
             return AgentStatistics(self.name, self.plan.name, self.plan.tls, len(self._peers), len(self._registered),
-                                   sum(k[1] for k in self._registered), self._writes, self._bytes_written,
+                                   sum(k[1] for k in self._registered), len(self._fixed),
+                                   sum(k[1] for k in self._fixed), self._writes, self._bytes_written,
                                    self._failures, self._timeouts)
+
+
+class Transfer:
+    """The WRITEs of one NIXL_GET, posted part by part as their bytes are ready, each notified to the
+    peer when it is done (:func:`~kvtier.wire.nixl_frames.part_notification`). Leaving the ``with``
+    block releases every handle, and the buffers registered for it once none is still in flight."""
+
+    def __init__(self, agent: DaemonAgent, peer: str, request_id: int):
+        self._owner, self._agent = agent, agent._agent
+        self._peer, self._request_id = peer, request_id
+        self._handles: list = []
+        self._keys: list = []
+        self._bytes = 0
+
+    def __enter__(self) -> "Transfer":
+        return self
+
+    def post(self, parts: list, buffers=()) -> None:
+        """WRITE each part's ``local[i] = (address, length)`` (inside ``buffers``, registered now
+        and held until the transfer ends, or inside registered device memory) to the peer's
+        ``remote[i]``. NixlTransferError when NIXL refuses one."""
+        assert all(part.local and len(part.local) == len(part.remote) for part in parts)
+        self._keys += [self._owner._register(b) for b in buffers]
+        try:
+            for part in parts:
+                local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.local], "DRAM")
+                remote_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.remote], "DRAM")
+                self._handles.append(self._agent.initialize_xfer(
+                    "WRITE", local_descs, remote_descs, self._peer, part_notification(self._request_id, part.ranges)))
+                state = self._agent.transfer(self._handles[-1])
+                if state not in ("PROC", "DONE"):
+                    raise RuntimeError(f"state {state}")
+                self._bytes += part.nbytes
+        except Exception as exc:
+            self._owner._count(failures=1)
+            raise NixlTransferError(f"NIXL WRITE to {self._peer} could not be posted: {type(exc).__name__}: {exc}") \
+                from None
+
+    def wait(self) -> None:
+        """Until every part posted is DONE (NixlTransferError: one failed, or not all were done within
+        the agent's transfer timeout)."""
+        deadline = time.monotonic() + self._owner._timeout_s
+        pending = list(self._handles)
+        while pending:
+            states = [self._agent.check_xfer_state(h) for h in pending]
+            if any(state not in ("PROC", "DONE") for state in states):
+                self._owner._count(failures=1)
+                raise NixlTransferError(f"NIXL WRITE to {self._peer} failed (states {sorted(set(states))})")
+            pending = [h for h, state in zip(pending, states) if state == "PROC"]
+            if pending:
+                if time.monotonic() > deadline:
+                    self._owner._count(timeouts=1)
+                    raise NixlTransferError(f"NIXL WRITE to {self._peer} not done within {self._owner._timeout_s} s "
+                                            "(TRANSFER_TIMEOUT_S)", timed_out=True)
+                os.sched_yield()  # a busy machine: let the peer (and its progress) run between polls
+        if self._handles:
+            self._owner._count(writes=1, nbytes=self._bytes)
+
+    def __exit__(self, *exc_info) -> None:
+        released = True
+        for handle in self._handles:
+            try:
+                handle.release()
+            except Exception as exc:  # still in flight and not cancellable: NIXL keeps it as leaked
+                log.warning("event=nixl_release_failed agent=%s error=%s", self._peer, exc)
+                released = False
+        if released:  # else its buffers stay registered (in use) for good: it may still read them
+            self._owner._release(self._keys)

@@ -14,7 +14,9 @@ written to.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -23,9 +25,11 @@ from kvtier.daemon.nixl.descriptors import ClientRegions, DescriptorError, check
 from kvtier.wire import connection as p
 from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
-from kvtier.wire.nixl_frames import notification
+from kvtier.daemon.nixl.parts import plan_parts
 
 log = logging.getLogger("kvtier.daemon.nixl")
+
+READERS = 4  # NIXL_GETs whose blocks are read from flash at once (each by one thread, while its connection sends)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class NixlService:
         self._lock = threading.Lock()
         self._gets = None
         self._stats = None
+        self._engine = None
+        self._memory_registered: bool | None = None  # the devices' memory registered (None: not tried yet)
+        self._blocks_from_memory = 0
+        self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvtier-nixl-read")
 
     @property
     def started(self) -> bool:
@@ -68,11 +76,14 @@ class NixlService:
             return self._agent
 
     def statistics(self) -> dict:
-        return {} if self._agent is None else asdict(self._agent.statistics())
+        if self._agent is None:
+            return {}
+        with self._lock:
+            return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory}
 
-    def bind(self, gets, stats) -> None:
-        """The data server's GET replies and statistics recorder (RequestHandler.attach_nixl)."""
-        self._gets, self._stats = gets, stats
+    def bind(self, gets, stats, engine=None) -> None:
+        """The data server's GET replies, statistics recorder and engine (RequestHandler.attach_nixl)."""
+        self._gets, self._stats, self._engine = gets, stats, engine
 
     def handle(self, msg, session):
         if isinstance(msg, m.NixlMetadata):
@@ -118,22 +129,100 @@ class NixlService:
             check_descriptors(peer.regions, msg.descriptors)
         except DescriptorError as exc:
             return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
-        reply = self._gets.reply(p.Get(msg.request_id, msg.keys, msg.ns_id, msg.reader_verifies), session)
-        lengths = tuple(DEFERRED_LENGTH if b is p.DEFERRED else 0 if b is None else memoryview(b).nbytes
-                        for b in reply.blocks)
-        try:
-            check_fits(msg.descriptors, [0 if n == DEFERRED_LENGTH else n for n in lengths])
-        except DescriptorError as exc:
-            return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
-        hits = [i for i, n in enumerate(lengths) if n and n != DEFERRED_LENGTH]
-        if hits:
-            local = [(buffer_address(reply.blocks[i]), lengths[i]) for i in hits]
-            remote = [(msg.descriptors[i][0], lengths[i]) for i in hits]
-            buffers = [b for b in (session.get_arena, *session.transient_buffers) if b is not None]
+        in_memory = self._in_memory(msg)
+        copied = [i for i, block in enumerate(in_memory) if block is None]
+        to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], msg.descriptors[i][0])
+                     for i, block in enumerate(in_memory) if block is not None]
+        with self._agent.transfer(peer.agent_name, msg.request_id) as transfer:
             try:
-                self._agent.write(peer.agent_name, buffers, local, remote, notification(msg.request_id))
+                lengths = self._write(msg, session, transfer, in_memory, copied, to_memory)
+                transfer.wait()
+            except DescriptorError as exc:
+                return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
             except NixlTransferError as exc:
                 log.warning("event=nixl_write_failed peer=%s agent=%s error=%s", session.peer, peer.agent_name, exc)
                 code = p.ErrorCode.TIMEOUT if exc.timed_out else p.ErrorCode.INTERNAL
                 return self._refuse(msg, code, str(exc))
-        return m.NixlGetReply(msg.request_id, lengths)
+        if to_memory:
+            self._stats.namespace(msg.ns_id, len(to_memory), 0)
+            with self._lock:
+                self._blocks_from_memory += len(to_memory)
+        return m.NixlGetReply(msg.request_id, tuple(lengths))
+
+    def _write(self, msg: m.NixlGet, session, transfer, in_memory: list, copied: list[int],
+               to_memory: list) -> list[int]:
+        """Post the WRITEs of a NIXL_GET: blocks in device memory at once, the others chunk by chunk
+        as they are read into the request's buffer; returns the length written per item.
+        DescriptorError (before anything is posted or read): a block does not fit its descriptor."""
+        lengths = [0] * len(msg.keys)
+        for i, block in enumerate(in_memory):
+            if block is not None:
+                lengths[i] = block.length
+
+        def check(layout) -> None:  # the located lengths, before anything is read or written
+            for j, i in enumerate(copied):
+                lengths[i] = 0 if j < layout.answered else DEFERRED_LENGTH
+            for j, n in zip(layout.hits, layout.lengths):
+                lengths[copied[j]] = n
+            check_fits(msg.descriptors, [0 if n == DEFERRED_LENGTH else n for n in lengths])
+            if to_memory:
+                transfer.post(plan_parts(to_memory))
+
+        def send(blocks: dict) -> None:
+            items = []
+            for j, block in blocks.items():
+                i, n = copied[j], memoryview(block).nbytes
+                if n <= msg.descriptors[i][1]:  # it may have changed since it was located
+                    items.append((i, [(buffer_address(block), n)], msg.descriptors[i][0]))
+            if items:
+                transfer.post(plan_parts(items), [b for b in (session.get_arena, *session.transient_buffers)
+                                                  if b is not None])
+
+        if not copied:
+            check_fits(msg.descriptors, lengths)
+            if to_memory:
+                transfer.post(plan_parts(to_memory))
+            return lengths
+        keys = msg.keys if len(copied) == len(msg.keys) else tuple(msg.keys[i] for i in copied)
+        chunks: queue.Queue = queue.Queue()
+
+        def read() -> p.GetReply:  # on a reader thread: chunk k+1 is read while this thread sends chunk k
+            try:
+                return self._gets.reply_in_chunks(p.Get(msg.request_id, keys, msg.ns_id, msg.reader_verifies),
+                                                  session, check, chunks.put)
+            finally:
+                chunks.put(None)
+
+        reading = self._readers.submit(read)
+        try:
+            while (blocks := chunks.get()) is not None:
+                send(blocks)
+        finally:
+            reply = reading.result()  # the reader's error (a refusal from check) once it has stopped
+        for i, block in zip(copied, reply.blocks):
+            n = DEFERRED_LENGTH if block is p.DEFERRED else 0 if block is None else memoryview(block).nbytes
+            lengths[i] = n if n <= msg.descriptors[i][1] or n == DEFERRED_LENGTH else 0
+        return lengths
+
+    def _in_memory(self, msg: m.NixlGet) -> list:
+        """Per key, the block as device memory to WRITE from in place (None: read it into an arena).
+        Only for a reader that verifies every block it is given (the bytes may change under a
+        reclaim after their header was checked); the first use registers the device memory."""
+        if not msg.reader_verifies or self._engine is None or not self._memory_usable():
+            return [None] * len(msg.keys)
+        return self._engine.blocks_in_memory(msg.keys)
+
+    def _memory_usable(self) -> bool:
+        with self._lock:
+            if self._memory_registered is None:
+                memories = self._engine.device_memories()
+                self._memory_registered = False
+                if memories is not None:
+                    try:
+                        self._agent.register_fixed(memories)
+                        self._memory_registered = True
+                        log.info("event=nixl_device_memory devices=%d bytes=%d", len(memories),
+                                 sum(m.nbytes for m in memories))
+                    except NixlTransferError as exc:
+                        log.warning("event=nixl_device_memory_refused error=%s", exc)
+            return self._memory_registered

@@ -24,6 +24,7 @@ is found and dropped here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from kvtier.daemon.server.request_buffers import RequestBuffers
 from kvtier.daemon.server.session import Session
 from kvtier.wire import connection as p
 
+READ_CHUNK_BYTES = 16 << 20  # reply_in_chunks: the blocks read before the caller may send them
 GET_READ_TRIES = 3  # a block can grow between locating and reading (deleted and put again): locate anew,
 # this many times in all, before the engine's refusal becomes the reply
 
@@ -52,6 +54,7 @@ class ReplyLayout:
     slot_starts: list[int]  # per hit: where its slot begins in the reply buffer
     slot_bytes: list[int]  # per hit: its slot's size (the block's page-aligned range)
     buffer_bytes: int  # the reply buffer's size: every slot, at least one page
+    lengths: list[int]  # per hit: the block's length when located
 
 
 def lay_out_reply(locations: np.ndarray, payload_bytes_max: int, arena_bytes: int) -> ReplyLayout:
@@ -66,7 +69,7 @@ def lay_out_reply(locations: np.ndarray, payload_bytes_max: int, arena_bytes: in
         answered, hits, spans = int(hits[fit]), hits[:fit], spans[:fit]
     starts = np.cumsum(spans) - spans
     return ReplyLayout(answered, hits.tolist(), starts.tolist(), spans.tolist(),
-                       max(int(spans.sum()), ALIGNMENT_BYTES))
+                       max(int(spans.sum()), ALIGNMENT_BYTES), lengths[hits].tolist())
 
 
 class GetReplies:
@@ -92,6 +95,43 @@ class GetReplies:
                     raise
                 self._buffers.release_transient(session)  # a buffer of its own, if it had one: reserved anew
         return self._reply(msg, layout, slots, placed)
+
+    def reply_in_chunks(self, msg: p.Get, session: Session, on_layout: Callable[[ReplyLayout], None],
+                        on_chunk: Callable[[dict[int, memoryview]], None],
+                        chunk_bytes: int = READ_CHUNK_BYTES) -> p.GetReply:
+        """As :meth:`reply`, read a chunk of about ``chunk_bytes`` of blocks at a time, so that a
+        caller can send one chunk while the next is read: ``on_layout(layout)`` before anything is
+        read (it may raise, and nothing is read), then ``on_chunk({key index: block})`` after each
+        chunk. A chunk whose block grew past its slot since it was located comes back DEFERRED
+        (the reader asks again); its blocks were never handed to ``on_chunk``."""
+        if not msg.keys:
+            return p.GetReply(msg.request_id, ())
+        layout, slots = self._lay_out(msg, session)
+        on_layout(layout)
+        keys = [msg.keys[i] for i in layout.hits]
+        placed: list = [None] * len(layout.hits)
+        deferred: list[int] = []
+        start = 0
+        while start < len(keys):
+            end = start + 1
+            while end < len(keys) and sum(layout.slot_bytes[start:end + 1]) <= chunk_bytes:
+                end += 1
+            try:
+                placed[start:end] = self._engine.get_many_placed(keys[start:end], slots[start:end],
+                                                                 verify_payload=not msg.reader_verifies)
+            except EngineError:
+                deferred += layout.hits[start:end]
+            else:
+                on_chunk({layout.hits[j]: slots[j][where[0]:where[0] + where[1]]
+                          for j, where in zip(range(start, end), placed[start:end]) if where is not None})
+            start = end
+        reply = self._reply(msg, layout, slots, placed)
+        if not deferred:
+            return reply
+        blocks = list(reply.blocks)
+        for i in deferred:
+            blocks[i] = p.DEFERRED
+        return p.GetReply(msg.request_id, tuple(blocks))
 
     def _lay_out(self, msg: p.Get, session: Session) -> tuple[ReplyLayout, list[memoryview]]:
         """The reply's layout over the keys' current locations, and its slots in a buffer lent for it."""

@@ -243,7 +243,7 @@ class RequestHandler:
 
     def attach_nixl(self, service) -> None:
         """Answer NIXL_METADATA / NIXL_GET with ``service`` (GETs read as :meth:`_get` reads them)."""
-        service.bind(self._gets, self._stats)
+        service.bind(self._gets, self._stats, self._engine)
         self.nixl = service
 
     def _nixl(self, msg, session: Session, token):
