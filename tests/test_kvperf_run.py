@@ -247,6 +247,20 @@ def test_ttft_four_modes_on_a_tiny_llama(kvtierd, capsys, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ttft_threads_sets_the_models_threads_for_that_job_only(kvtierd, capsys):
+    pytest.importorskip("transformers")
+    import torch
+
+    before = torch.get_num_threads()
+    code, doc, err = kvperf_json(capsys, f"--target=tcp://{kvtierd.data_addr}", "--rw=ttft", "--model=random-llama-tiny",
+                                 "--prompt_tokens=40", "--cached_tokens=32", "--block_tokens=16", "--concurrency=1",
+                                 "--ttft_prompts=1", "--name=one", "--ttft_threads=1", "--name=default")
+    assert code == EXIT_OK, err
+    one, default = doc["jobs"]
+    assert one["ttft"]["torch_threads"] == 1 and default["ttft"]["torch_threads"] == before
+    assert torch.get_num_threads() == before
+
+
 def test_ttft_gates_on_the_load_figures_and_text_report(kvtierd, capsys):
     pytest.importorskip("transformers")
     code = run([f"--target=tcp://{kvtierd.data_addr}", "--name=t", "--rw=ttft", "--model=random-llama-tiny",

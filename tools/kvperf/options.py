@@ -145,6 +145,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     _o("concurrency", lambda o, t: parse_int_list(o, t, 1), "ttft: concurrency levels, e.g. 1,8,16"),
     _o("ttft_device", _device, "ttft: torch device of the model and the KV (cpu, cuda, cuda:1)"),
     _o("ttft_prompts", lambda o, t: parse_int(o, t, 1, 1 << 16), "ttft: prompts per concurrency level"),
+    _o("ttft_threads", lambda o, t: parse_int(o, t, 0, 1 << 10), "ttft: torch threads for the model on the CPU "
+       "(0: torch's default, every core); fewer leave cores to the load, as a GPU's compute does"),
     _o("ttft_transport", _ttft_transport, "ttft: how loads reach the daemon: " + ", ".join(TTFT_TRANSPORTS)
        + " (default: direct with a direct: target, auto with a cluster, tcp otherwise)"),
     _o("description", _path_or_empty, "free text shown in the report"),
@@ -191,6 +193,7 @@ class JobOptions:
     cached_tokens: int = 1792
     concurrency: tuple[int, ...] = (1, 8, 16)
     ttft_prompts: int = 8
+    ttft_threads: int = 0  # 0: torch's default
     ttft_device: str = "cpu"
     ttft_transport: str = ""  # "": from the target (ttftjob.default_transport)
     description: str = ""

@@ -22,7 +22,9 @@ hot pool is off, so every load comes from the daemon, through ``ttft_transport``
 (the stored prefixes are flushed first: sealed, as direct reads need); the
 report counts the timed loads' blocks by the transport that carried them. The model is one of the
 random-weight Llamas of :mod:`.models` (no download) unless ``model=`` names
-a local checkpoint directory. With ``verify`` and the raw codec, the kvtier
+a local checkpoint directory. ``ttft_threads`` sets the model's torch threads on the CPU (its
+report says how many ran): on a GPU host the model's compute does not take the cores the load
+runs on, and fewer threads than cores is how a CPU host leaves them. With ``verify`` and the raw codec, the kvtier
 logits must equal the in-memory ones and the KV loaded alone the stored KV,
 exactly; every stored block must load.
 """
@@ -304,18 +306,25 @@ class TtftBench:
 def run_ttft(job: JobOptions, targets: Targets, token: str | None, progress) -> tuple[dict, int, list[str], int]:
     """(ttft report, verify errors, their first messages, runtime in ns)."""
     try:
-        import torch  # noqa: F401
+        import torch
         import transformers  # noqa: F401
     except ImportError as e:
         raise UsageError(f"rw=ttft needs torch and transformers ({e}); install kvtier[torch]") from None
     from kvtier.client import ClientError
 
+    threads = torch.get_num_threads()
+    if job.ttft_threads:
+        torch.set_num_threads(job.ttft_threads)
     t0 = time.perf_counter_ns()
-    bench = TtftBench(job, targets, token, progress)
     try:
-        report = bench.run()
-    except ClientError as e:
-        raise ConnectError(f"the daemon failed the ttft run: {type(e).__name__}: {e}") from e
+        bench = TtftBench(job, targets, token, progress)
+        try:
+            report = bench.run()
+        except ClientError as e:
+            raise ConnectError(f"the daemon failed the ttft run: {type(e).__name__}: {e}") from e
+        finally:
+            bench.close()
+        report["torch_threads"] = torch.get_num_threads()
     finally:
-        bench.close()
+        torch.set_num_threads(threads)  # the next job of this run starts from the default again
     return report, bench.verify_errors, bench.verify_messages, time.perf_counter_ns() - t0
