@@ -51,7 +51,7 @@ class BlockDecoder:
             start = (first_block + i) * run
             rows = range(self.layout.group_layers(group).start * 2 * H, self.layout.group_layers(group).stop * 2 * H)
             return [flat[r * row + start:r * row + start + run] for r in rows]
-        return Landing(HEADER_SIZE + heads.pop(), views)
+        return Landing(HEADER_SIZE + heads.pop(), views, flat)
 
     def _raw_header(self, group: int) -> bytes:
         headers = getattr(self, "_raw_headers", None)

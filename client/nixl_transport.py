@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,7 @@ from kvtier.wire.sockets import receive_some, sendmsg_all
 
 from .block_client import _exported
 from .nixl_arrivals import ArrivingBlocks
+from .scatter_plan import Landing, LandedBlock
 
 log = logging.getLogger("kvtier.client.nixl")
 
@@ -124,6 +126,7 @@ class ClientAgent:
         self._lock = threading.Lock()
         self._buffers: list[bytearray] = []
         self._registrations: list = []
+        self._lent: dict[tuple[int, int], list] = {}  # the callers' regions (lend): address, length -> [descs, lenders]
         self.generation = 0  # bumped whenever the registered buffers change
         self._notes_lock = threading.Lock()
         self._notes: set[tuple[str, bytes]] = set()
@@ -133,7 +136,31 @@ class ClientAgent:
 
     def regions(self) -> tuple[tuple[int, int], ...]:
         with self._lock:
-            return tuple((buffer_address(b), len(b)) for b in self._buffers)
+            return tuple((buffer_address(b), len(b)) for b in self._buffers) + tuple(self._lent)
+
+    @contextmanager
+    def lend(self, region: memoryview):
+        """``region`` (the caller's memory: an engine's KV) registered, and declared with the others,
+        while the block runs; a second lender of the same region shares its registration."""
+        key = (buffer_address(region), region.nbytes)
+        with self._lock:
+            if key not in self._lent:
+                try:
+                    descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM", backends=["UCX"])
+                except Exception as exc:
+                    raise NixlFetchFailed(f"NIXL cannot register {key[1]} bytes of the caller's memory: "
+                                          f"{type(exc).__name__}: {exc}") from None
+                self._lent[key] = [descs, 0]
+                self.generation += 1
+            self._lent[key][1] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._lent[key][1] -= 1
+                if not self._lent[key][1]:
+                    self._agent.deregister_memory(self._lent.pop(key)[0], backends=["UCX"])
+                    self.generation += 1
 
     def add_daemon(self, metadata: bytes) -> str:
         try:
@@ -202,6 +229,7 @@ class NixlStatistics:
     refused: int  # NIXL_GETs the daemon answered with an error (the blocks went to TCP)
     corrupt_blocks: int  # blocks that failed verification (went to TCP)
     notification_timeouts: int
+    blocks_in_place: int = 0  # of ``blocks``, written straight into the caller's memory (a landing's views)
 
 
 class ControlChannel:
@@ -280,7 +308,8 @@ class NixlTransport:
         self._lock = threading.Lock()
         self._closed = False
         self._daemon_agent: str | None = None
-        self._counts = dict(requests=0, blocks=0, bytes=0, refused=0, corrupt_blocks=0, notification_timeouts=0)
+        self._counts = dict(requests=0, blocks=0, bytes=0, refused=0, corrupt_blocks=0, notification_timeouts=0,
+                            blocks_in_place=0)
         first = self._open_channel()  # fails now, not on the first GET, where NIXL or the daemon cannot
         try:
             peer = first.sock.getpeername()[0]
@@ -324,17 +353,34 @@ class NixlTransport:
         with self._lock:
             return NixlStatistics(self.transport, **self._counts)
 
-    def get_many(self, keys: list[bytes], lengths: list[int], seqs: list[int], ns_id: bytes | None = None) -> list:
+    def get_many(self, keys: list[bytes], lengths: list[int], seqs: list[int], ns_id: bytes | None = None,
+                 landing: Landing | None = None) -> list:
         """Verified blocks (read-only views of a registered buffer; they stay valid while referenced),
         None where the daemon had none or the block failed verification (go to TCP for those).
-        ``lengths``/``seqs`` are the LOOKUP locations'. NixlFetchFailed: nothing was delivered."""
-        spans = [-(-n // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES for n in lengths]
+        ``lengths``/``seqs`` are the LOOKUP locations'. With a ``landing`` that names its region, a
+        block of the size it expects is written straight into its views there (a head slot here)
+        and comes back as a :class:`~.scatter_plan.LandedBlock`. NixlFetchFailed: nothing was delivered."""
+        views = [None] * len(keys)
+        if landing is not None and landing.region is not None:
+            for i, n in enumerate(lengths):
+                rows = landing.views(i, 0)
+                if n == landing.head_nbytes + sum(v.nbytes for v in rows):
+                    views[i] = rows
+        spans = [-(-(landing.head_nbytes if v is not None else n) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+                 for n, v in zip(lengths, views)]
         buf = self.agent.take_buffer(max(sum(spans), 1))
         if buf is None:
             raise NixlFetchFailed("every NIXL destination buffer is in use")
         starts = np.cumsum([0] + spans[:-1]).tolist()
-        base = buffer_address(buf)
-        arriving = ArrivingBlocks(buf, starts, list(lengths))
+        destinations = [[buf[at:at + n]] if v is None else [buf[at:at + landing.head_nbytes], *v]
+                        for at, n, v in zip(starts, lengths, views)]
+        scatter = any(v is not None for v in views)
+        with self.agent.lend(landing.region) if scatter else nullcontext():
+            return self._fetch(keys, lengths, seqs, ns_id, destinations, scatter)
+
+    def _fetch(self, keys, lengths, seqs, ns_id, destinations: list[list[memoryview]], scatter: bool) -> list:
+        arriving = ArrivingBlocks(destinations)
+        extents = [tuple((buffer_address(v), v.nbytes) for v in views) for views in destinations]
         results: list = [None] * len(keys)
         pending = list(range(len(keys)))
         ch = self._take_channel()
@@ -342,8 +388,9 @@ class NixlTransport:
             while pending:
                 self._declare(ch)  # a buffer registered since: the daemon must know it first
                 lengths_written = self._get(ch, [keys[i] for i in pending],
-                                            [(base + starts[i], lengths[i]) for i in pending], ns_id,
-                                            arriving, pending)
+                                            [(extents[i][0][0], sum(n for _, n in extents[i])) for i in pending],
+                                            ns_id, arriving, pending,
+                                            tuple(extents[i] for i in pending) if scatter else None)
                 deferred = [i for i, n in zip(pending, lengths_written) if n == DEFERRED_LENGTH]
                 for i, n in zip(pending, lengths_written):
                     if n and n != DEFERRED_LENGTH:
@@ -360,7 +407,7 @@ class NixlTransport:
         return results
 
     def _get(self, ch: ControlChannel, keys, descriptors, ns_id, arriving: ArrivingBlocks,
-             items: list[int]) -> tuple[int, ...]:
+             items: list[int], extents=None) -> tuple[int, ...]:
         """One NIXL_GET of ``keys`` (``items``: their indexes in ``arriving``); the parts the daemon
         notifies are checked as they come, while the reply is awaited and after it."""
         def take_parts() -> None:
@@ -370,7 +417,7 @@ class NixlTransport:
                     arriving.arrived(items[item], offset, length)
 
         try:
-            reply = ch.exchange(m.NixlGet(0, tuple(keys), self.agent.name, tuple(descriptors), ns_id, True),
+            reply = ch.exchange(m.NixlGet(0, tuple(keys), self.agent.name, tuple(descriptors), ns_id, True, extents),
                                 while_waiting=take_parts, poll_s=self._poll_s)
         except p.RemoteError as exc:
             self._count(refused=1)
@@ -394,7 +441,7 @@ class NixlTransport:
         except BlockFormatError:
             self._count(corrupt_blocks=1)
             return None
-        self._count(blocks=1, bytes=length)
+        self._count(blocks=1, bytes=length, blocks_in_place=int(isinstance(view, LandedBlock)))
         return view
 
     def _take_channel(self) -> ControlChannel:

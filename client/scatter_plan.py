@@ -118,7 +118,9 @@ def verify_landed(pieces: tuple, key: bytes, head_nbytes: int) -> LandedBlock | 
 @dataclass(frozen=True)
 class Landing:
     """Where a fetch's raw blocks land: ``views(i, group)`` are the destination views of
-    layer group ``group`` of the fetch's block ``i``, past its first ``head_nbytes``."""
+    layer group ``group`` of the fetch's block ``i``, past its first ``head_nbytes``; ``region``
+    (or None), the memory they all lie in (a transport registers it to write there)."""
 
     head_nbytes: int
     views: Callable[[int, int], list[memoryview]]
+    region: memoryview | None = None

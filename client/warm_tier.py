@@ -247,7 +247,7 @@ class WarmTier:
                         continue
                     objects = self.objects_of([keys[i] for i in idx], groups)
                     lands = None if landing is None else Landing(landing.head_nbytes, lambda n, _g, idx=idx: landing.views(
-                        idx[n // width], groups[n % width]))  # object n of this owner's batch
+                        idx[n // width], groups[n % width]), landing.region)  # object n of this owner's batch
                     try:
                         got, names, fell = batch.call(j, lambda d, objects=objects, lands=lands: self._fetch_from(
                             d, objects, prefix_only, lands))
@@ -319,7 +319,8 @@ class WarmTier:
                         [DirectLocation(locations[i].logical_offset, locations[i].length, locations[i].seq)
                          for i in direct_idx],
                         None if landing is None else Landing(landing.head_nbytes,
-                                                             lambda n, _g: landing.views(direct_idx[n], 0)))
+                                                             lambda n, _g: landing.views(direct_idx[n], 0),
+                                                             landing.region))
                 except (OSError, ValueError) as exc:
                     # an unreadable device or a location outside the geometry we hold (the
                     # daemon was re-formatted): every block goes to TCP instead
@@ -335,7 +336,7 @@ class WarmTier:
             fetches = daemon.client.has_upstream
             tcp_idx = [i for i in range(span) if blocks[i] is None and (locations[i] is not None or fetches)]
         if tcp_idx and nixl is not None:
-            fell, tcp_idx = self._fetch_nixl(daemon, nixl, keys, tcp_idx, locations, blocks, via)
+            fell, tcp_idx = self._fetch_nixl(daemon, nixl, keys, tcp_idx, locations, blocks, via, landing)
             fallbacks += fell
         if tcp_idx:
             got, upstream = self._get_many(daemon, [keys[i] for i in tcp_idx], None if landing is None else Landing(
@@ -348,9 +349,10 @@ class WarmTier:
         return blocks, via, fallbacks
 
     def _fetch_nixl(self, daemon: Daemon, nixl, keys: list[bytes], idx: list[int], locations: list, blocks: list,
-                    via: list) -> tuple[int, list[int]]:
-        """NIXL GET of the located blocks among ``idx`` into ``blocks`` / ``via``; returns the
-        fallbacks (located blocks NIXL did not deliver verified) and the indexes left for TCP."""
+                    via: list, landing: Landing | None = None) -> tuple[int, list[int]]:
+        """NIXL GET of the located blocks among ``idx`` into ``blocks`` / ``via`` (raw blocks straight
+        into the ``landing``'s views, where it has a region); returns the fallbacks (located blocks
+        NIXL did not deliver verified) and the indexes left for TCP."""
         located = [i for i in idx if locations[i] is not None]
         if not located:
             return 0, idx
@@ -358,9 +360,11 @@ class WarmTier:
         bounds = [len(located) * s // streams for s in range(streams + 1)]
 
         def get(part: list[int]) -> list:
+            lands = None if landing is None else Landing(landing.head_nbytes, lambda n, _g: landing.views(part[n], 0),
+                                                         landing.region)
             try:
                 return nixl.get_many([keys[i] for i in part], [locations[i].length for i in part],
-                                            [locations[i].seq for i in part], ns_id=self.namespace.id)
+                                     [locations[i].seq for i in part], ns_id=self.namespace.id, landing=lands)
             except (NixlFetchFailed, p.ClientError, OSError) as exc:
                 log.warning("event=nixl_get_failed daemon=%s blocks=%d error=%s", daemon.address, len(part), exc)
                 return [None] * len(part)

@@ -15,6 +15,8 @@ REQUESTS = [
     m.NixlMetadata(2, b"x", ()),
     m.NixlGet(3, (K1, K2), "kvtier-client-a", ((0x10000, 4096), (0x20000, 8192)), NS, True),
     m.NixlGet(4, (), "b", ()),
+    m.NixlGet(5, (K1, K2), "c", ((0x10000, 4160), (0x30000, 100)), NS, True,
+              (((0x10000, 64), (0x50000, 2048), (0x60000, 2048)), ((0x30000, 100),))),
 ]
 REPLIES = [
     m.NixlMetadataReply(1, b"daemon-metadata"),
@@ -65,6 +67,33 @@ def test_descriptor_layout_is_key_address_capacity():
     assert meta[18 + len(name):] == struct.pack("<16sQI", K1, 0x10000, 4096) + struct.pack("<16sQI", K2, 0x20000, 8192)
 
 
+def test_scatter_extents_follow_the_descriptors_counts_first():
+    _, flags, _, count, meta, _, _ = nf.ENCODERS[m.NixlGet](REQUESTS[4])
+    assert flags & f.FLAG_SCATTER and count == 2
+    table = meta[-(2 * 4 + 4 * 12):]
+    assert table[:8] == struct.pack("<II", 3, 1)
+    assert table[8:] == b"".join(struct.pack("<QI", a, n) for a, n in
+                                 [(0x10000, 64), (0x50000, 2048), (0x60000, 2048), (0x30000, 100)])
+
+
+@pytest.mark.parametrize("extents,problem", [
+    ((((0x10000, 64),), ((0x30000, 100),)), "add up to its capacity"),  # 64 is not 4160
+    ((((0x50000, 4160),), ((0x30000, 100),)), "start at its descriptor"),
+    ((((0x10000, 4160),),), "2 keys and 1 extent lists"),
+    ((((0x10000, 4160),), ()), "start at its descriptor"),
+])
+def test_a_client_cannot_send_extents_that_disagree_with_their_descriptors(extents, problem):
+    msg = m.NixlGet(5, (K1, K2), "c", ((0x10000, 4160), (0x30000, 100)), NS, True, extents)
+    with pytest.raises(ValueError, match=problem):
+        p.Connection(p.Role.CLIENT).send(msg)
+
+
+def _scatter_frame(counts, extents, descriptors=((K1, 0x10000, 4160),)) -> bytes:
+    meta = struct.pack("<H", 1) + b"a" + b"".join(DESCRIPTOR.pack(*d) for d in descriptors)
+    meta += b"".join(struct.pack("<I", c) for c in counts) + b"".join(struct.pack("<QI", *e) for e in extents)
+    return _frame(m.Op.NIXL_GET, len(descriptors), meta, flags=f.FLAG_SCATTER)
+
+
 def _frame(op: int, count: int, meta: bytes, payload: bytes = b"", flags: int = 0) -> bytes:
     return f.pack_header(op, flags, 7, count, len(meta), len(payload)) + meta + payload
 
@@ -97,10 +126,23 @@ BAD_FRAMES = [
     (_frame(m.Op.NIXL_GET, 0, b"short", flags=f.FLAG_HAS_NS), p.ErrorCode.BAD_REQUEST, "no namespace id"),
     (_frame(m.Op.NIXL_GET, p.BATCH_COUNT_MAX + 1, b""), p.ErrorCode.LIMIT, "over the limit"),
 ]
+SCATTER_FRAMES = [
+    ((2,), [(0x10000, 64), (0x20000, 4000)], "do not add up to its capacity"),
+    ((1,), [(0x20000, 4160)], "do not start at its descriptor"),
+    ((0,), [], "0 extents"),
+    ((2,), [(0x10000, 64)], "does not hold 2 extents"),
+    ((), [], "extent counts of 0 bytes"),
+    ((m.NIXL_EXTENTS_MAX + 1,), [], "over the limit"),
+]
 
 
-@pytest.mark.parametrize("frame,code,message", BAD_FRAMES)
-def test_malformed_requests_are_refused_with_the_framing_kept(frame, code, message):
+@pytest.mark.parametrize("counts,extents,message", SCATTER_FRAMES)
+def test_malformed_scatter_tables_are_refused_with_the_framing_kept(counts, extents, message):
+    code = p.ErrorCode.LIMIT if "limit" in message else p.ErrorCode.BAD_REQUEST
+    _refused_and_served_on(_scatter_frame(counts, extents), code, message)
+
+
+def _refused_and_served_on(frame, code, message):
     server = p.Connection(p.Role.SERVER)
     server.receive_data(frame + p.Connection(p.Role.CLIENT).send(p.Ping(8, b"next")))
     event = server.next_event()
@@ -108,6 +150,11 @@ def test_malformed_requests_are_refused_with_the_framing_kept(frame, code, messa
     while (after := server.next_event()) is p.NEED_DATA:
         pass
     assert after == p.Ping(8, b"next")
+
+
+@pytest.mark.parametrize("frame,code,message", BAD_FRAMES)
+def test_malformed_requests_are_refused_with_the_framing_kept(frame, code, message):
+    _refused_and_served_on(frame, code, message)
 
 
 @pytest.mark.parametrize("op", [m.Op.NIXL_METADATA, m.Op.NIXL_GET])

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from kvtier.client.nixl_arrivals import ArrivingBlocks
+from kvtier.client.scatter_plan import LandedBlock
 from kvtier.common.blockformat import BlockFormatError, encode_block
 from kvtier.daemon.nixl.parts import plan_parts
 
@@ -14,7 +15,8 @@ KEY, NS = b"\x01" * 16, b"\x02" * 16
 
 
 def test_parts_cover_every_byte_in_order_and_cut_pieces_at_the_part_size():
-    items = [(0, [(1000, 10), (5000, 25)], 90_000), (2, [(7000, 3)], 95_000), (1, [(9000, 40)], 99_000)]
+    items = [(0, [(1000, 10), (5000, 25)], [(90_000, 35)]), (2, [(7000, 3)], [(95_000, 3)]),
+             (1, [(9000, 40)], [(99_000, 40)])]
     parts = plan_parts(items, part_bytes=16)
     assert [p.nbytes for p in parts] == [16, 16, 16, 16, 14]
     local = [piece for p in parts for piece in p.local]
@@ -24,7 +26,7 @@ def test_parts_cover_every_byte_in_order_and_cut_pieces_at_the_part_size():
     flat_local = [a + k for a, n in local for k in range(n)]
     flat_remote = [a + k for a, n in remote for k in range(n)]
     expected = {}
-    for item, pieces, at in items:
+    for item, pieces, ((at, _),) in items:
         for address, n in pieces:
             for k in range(n):
                 expected[at] = address + k
@@ -38,8 +40,16 @@ def test_parts_cover_every_byte_in_order_and_cut_pieces_at_the_part_size():
     assert sum(n for _, _, n in ranges) == 78
 
 
+def test_pieces_are_cut_where_the_remote_extents_end():
+    parts = plan_parts([(3, [(1000, 10), (2000, 6)], [(50, 4), (80, 8), (200, 4)])], part_bytes=1 << 20)
+    (part,) = parts
+    assert part.local == [(1000, 4), (1004, 6), (2000, 2), (2002, 4)]
+    assert part.remote == [(50, 4), (80, 6), (86, 2), (200, 4)]
+    assert part.ranges == [(3, 0, 16)]
+
+
 def test_a_part_names_at_most_ranges_max_ranges():
-    parts = plan_parts([(i, [(100 * i + 4096, 1)], 1 << 20 | i * 8) for i in range(10)], part_bytes=1 << 20,
+    parts = plan_parts([(i, [(100 * i + 4096, 1)], [(1 << 20 | i * 8, 1)]) for i in range(10)], part_bytes=1 << 20,
                        ranges_max=4)
     assert [len(p.ranges) for p in parts] == [4, 4, 2]
 
@@ -53,7 +63,8 @@ def _landed(payload_bytes: int = 100_000, seq: int = 9, slot: int = 1 << 17):
     block = encode_block(KEY, NS, 0, os.urandom(payload_bytes), seq)
     buffer = bytearray(2 * slot)
     buffer[slot:slot + len(block)] = block
-    return block, ArrivingBlocks(memoryview(buffer), [0, slot], [slot, slot]), buffer
+    view = memoryview(buffer)
+    return block, ArrivingBlocks([[view[:slot]], [view[slot:]]]), buffer
 
 
 def test_a_block_arriving_in_any_order_is_verified_as_it_comes():
@@ -101,7 +112,7 @@ def test_the_wrong_key_seq_or_length_fails():
         arriving.finish(1, len(block), KEY, 10)
     with pytest.raises(BlockFormatError, match="header says"):
         arriving.finish(1, len(block) - 1, KEY, 9)
-    with pytest.raises(BlockFormatError, match="larger than its"):
+    with pytest.raises(BlockFormatError, match="does not fill its"):
         arriving.finish(1, (1 << 17) + 1, KEY, 9)
 
 
@@ -111,3 +122,40 @@ def test_ranges_outside_an_items_room_are_ignored():
         arriving.arrived(item, offset, length)
     assert not arriving.covered(1, 1)
     assert bytes(arriving.finish(1, len(block), KEY, 9)) == block
+
+
+def _scattered(payload_bytes: int = 50_000, head_nbytes: int = 96, rows: int = 7):
+    """A block whose payload past its first ``head_nbytes`` lands in ``rows`` views of another buffer."""
+    block = encode_block(KEY, NS, 0, os.urandom(payload_bytes), 4)
+    rest = len(block) - head_nbytes
+    cuts = [head_nbytes + rest * r // rows for r in range(rows + 1)]
+    head = bytearray(block[:head_nbytes])
+    out = bytearray(2 * rest)  # the engine's KV: rows at a stride, as the output tensor's are
+    views = []
+    for r in range(rows):
+        n = cuts[r + 1] - cuts[r]
+        at = r * 2 * (rest // rows + 1)
+        out[at:at + n] = block[cuts[r]:cuts[r + 1]]
+        views.append(memoryview(out)[at:at + n])
+    return block, [memoryview(head)] + views, head, out
+
+
+def test_a_scattered_block_is_verified_across_its_views_and_handed_out_as_landed():
+    block, views, head, out = _scattered()
+    arriving = ArrivingBlocks([views])
+    arriving.arrived(0, 30_000, len(block) - 30_000)
+    arriving.arrived(0, 0, 30_000)
+    landed = arriving.finish(0, len(block), KEY, 4)
+    assert isinstance(landed, LandedBlock) and len(landed) == len(block) and bytes(landed.head) == block[:96]
+    assert b"".join(bytes(v) for v in views) == block
+
+
+def test_a_scattered_block_with_a_row_torn_or_of_another_length_fails():
+    block, views, head, out = _scattered()
+    arriving = ArrivingBlocks([views])
+    with pytest.raises(BlockFormatError, match="does not fill"):
+        arriving.finish(0, len(block) - 1, KEY, 4)
+    views[3][100] ^= 0xFF
+    arriving.arrived(0, 0, len(block))
+    with pytest.raises(BlockFormatError, match="payload CRC mismatch"):
+        arriving.finish(0, len(block), KEY, 4)

@@ -127,6 +127,26 @@ def test_kvcache_loads_through_nixl_and_counts_it(daemon, transport):
         assert warm.transports == {"nixl": 6} and warm.fallbacks == 0
 
 
+def test_a_load_into_the_callers_tensor_is_written_there_by_the_daemon(daemon):
+    """Raw blocks of the expected size are scattered by the daemon's WRITE straight into the output
+    tensor's rows (its memory lent to NIXL for the load); only their heads land in our buffers."""
+    tokens = list(range(7000, 7000 + 16 * 5))
+    kv = _kv(len(tokens), seed=6)
+    with KVCache(_namespace("nixl-in-place"), daemon.data_addr, hot_pool_bytes=0, transport="nixl") as cache:
+        cache.store(tokens, kv)
+        wait_nixl_ready(cache)
+        out = torch.zeros(LAYOUT.num_layers, 2, 1, LAYOUT.num_kv_heads, len(tokens), LAYOUT.head_dim,
+                          dtype=torch.float16)
+        loaded = cache.load(tokens, out=out)
+        assert loaded.num_tokens == len(tokens) and loaded.transports == {"nixl": 5}
+        for layer, (k, v) in enumerate(kv):
+            assert torch.equal(out[layer, 0, 0], k[0]) and torch.equal(out[layer, 1, 0], v[0])
+        (d,) = cache._warm.daemons
+        transport = d.nixl.ready()
+        assert transport.statistics().blocks_in_place == 5
+        assert not transport.agent._lent  # the tensor's memory is no longer registered
+
+
 def test_blocks_nixl_does_not_deliver_fall_back_to_tcp_and_are_counted(daemon):
     """A destination buffer is a view the transport may refuse to hand out (every buffer
     in use): the blocks then come over TCP, counted as fallbacks."""

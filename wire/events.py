@@ -27,6 +27,7 @@ FEATURE_NIXL = "nixl"  # HELLO features: the daemon runs a NIXL agent and answer
 NIXL_AGENT_METADATA_BYTES_MAX = 256 << 10  # a NIXL agent's metadata blob: ~300 bytes + ~50 per registered region
 NIXL_REGIONS_MAX = 1024  # destination regions one client declares: a hot pool or KV pages in a few large buffers
 NIXL_AGENT_NAME_BYTES_MAX = 256  # a NIXL agent name: a label, like HELLO's client name
+NIXL_EXTENTS_MAX = 1 << 16  # extents one NIXL_GET scatters its blocks across: 32 blocks x 2048 rows
 PAYLOAD_BYTES_MAX = 256 << 20  # block bytes per frame: bounds one connection's buffer
 NAME_BYTES_MAX = 256  # client name in HELLO: a label, not a document
 TOKEN_BYTES_MAX = 4096  # auth token in HELLO: far above any sane secret
@@ -358,7 +359,9 @@ class NixlMetadataReply:
 @dataclass(frozen=True)
 class NixlGet:
     """A GET whose blocks are written into ``descriptors[i] = (address, capacity_bytes)`` of the
-    client agent ``agent_name`` (the one its NIXL_METADATA loaded), then a NIXL notification."""
+    client agent ``agent_name`` (the one its NIXL_METADATA loaded), then NIXL notifications.
+    ``extents`` (or None): per item the ``(address, length)`` pieces its block is written across,
+    in order (an engine's KV rows); its descriptor is then ``(first address, total length)``."""
 
     request_id: int
     keys: tuple[bytes, ...]
@@ -366,6 +369,7 @@ class NixlGet:
     descriptors: tuple[tuple[int, int], ...]
     ns_id: bytes | None = None
     reader_verifies: bool = False
+    extents: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,9 @@ FLAG_WANT_LOCATIONS = 0x4  # LOOKUP: answer each key's location too
 FLAG_READER_VERIFIES = 0x8  # GET: the reader checks payload CRCs itself, the daemon may leave them out
 FLAG_WANT_ORIGIN = 0x10  # GET, LOOKUP: the reply says per block whether it was local or fetched upstream
 FLAG_PIN_TTL = 0x20  # PIN: a soft pin; the meta section holds a u32 ttl_ms (after the namespace id) before the keys
-KNOWN_FLAGS = FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_READER_VERIFIES | FLAG_WANT_ORIGIN | FLAG_PIN_TTL
+FLAG_SCATTER = 0x40  # NIXL_GET: each item's block is written across extents (the table after the descriptors)
+KNOWN_FLAGS = (FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_READER_VERIFIES | FLAG_WANT_ORIGIN | FLAG_PIN_TTL
+               | FLAG_SCATTER)
 
 U16 = struct.Struct("<H")  # HELLO string lengths
 U32 = struct.Struct("<I")  # LOOKUP reply: the leading count

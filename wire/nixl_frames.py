@@ -10,9 +10,11 @@ so agent metadata is only ever exchanged on an authenticated connection::
     NIXL_METADATA reply     count = 0
         the daemon's agent metadata
 
-    NIXL_GET request        count = items; flags HAS_NS, READER_VERIFIES
+    NIXL_GET request        count = items; flags HAS_NS, READER_VERIFIES, SCATTER
         [ns] u16 name_len, agent name (UTF-8)
         count x DESCRIPTOR (key, u64 address, u32 capacity_bytes)
+        [SCATTER] count x u32 extents, then every item's EXTENTs (u64 address, u32 length) in order;
+                  an item's descriptor is its first extent's address and its extents' total
     NIXL_GET reply          count = items, no payload
         count x u32 length written at the item's descriptor (0 miss, 0xFFFFFFFF deferred)
 
@@ -25,12 +27,14 @@ import struct
 
 from kvtier.wire import events as m
 from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
-from kvtier.wire.frames import DEFERRED_LENGTH, FLAG_HAS_NS, FLAG_READER_VERIFIES, U16, FrameHead
+from kvtier.wire.frames import DEFERRED_LENGTH, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_SCATTER, U16, FrameHead
 
 REGION = struct.Struct("<QQ")  # NIXL_METADATA item: address, length_bytes
 assert REGION.size == 16
 DESCRIPTOR = struct.Struct("<16sQI")  # NIXL_GET item: key, address, capacity_bytes
 assert DESCRIPTOR.size == m.KEY_SIZE + 12
+EXTENT = struct.Struct("<QI")  # NIXL_GET with SCATTER: address, length
+COUNT = struct.Struct("<I")
 ADDRESS_MAX = 2**64 - 1
 NOTIFICATION_PREFIX = b"kvtier-get:"  # a NIXL_GET part's notification: this, the request id, its ranges
 PART_HEAD = struct.Struct("<QI")  # request id, ranges
@@ -124,7 +128,9 @@ def _meta_get(head: FrameHead, meta: bytes, limits: Limits):
         raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET agent name of {name_len} bytes: expected "
                       f"1..{m.NIXL_AGENT_NAME_BYTES_MAX}")
     items_at = off + 2 + name_len
-    if len(meta) - items_at != head.count * DESCRIPTOR.size:
+    table_end = items_at + head.count * DESCRIPTOR.size
+    scatter = bool(head.flags & FLAG_SCATTER)
+    if len(meta) < table_end or (not scatter and len(meta) != table_end):
         raise _reject(head, ErrorCode.BAD_REQUEST,
                       f"NIXL_GET descriptor table of {len(meta) - items_at} bytes does not hold {head.count} items "
                       f"of {DESCRIPTOR.size} bytes (16-byte key, u64 address, u32 capacity)")
@@ -132,8 +138,32 @@ def _meta_get(head: FrameHead, meta: bytes, limits: Limits):
         name = bytes(meta[off + 2:items_at]).decode("utf-8")
     except UnicodeDecodeError:
         raise _reject(head, ErrorCode.BAD_REQUEST, "NIXL_GET agent name is not UTF-8") from None
-    items = tuple(DESCRIPTOR.iter_unpack(meta[items_at:]))
-    return ns, name, items
+    items = tuple(DESCRIPTOR.iter_unpack(meta[items_at:table_end]))
+    return ns, name, items, _scatter_extents(head, meta[table_end:], items) if scatter else None
+
+
+def _scatter_extents(head: FrameHead, table: bytes, items) -> tuple:
+    """The SCATTER section: per item its extents, each item's matching its descriptor."""
+    counts_end = len(items) * COUNT.size
+    if len(table) < counts_end:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET extent counts of {len(table)} bytes for {len(items)} items")
+    counts = [c for (c,) in COUNT.iter_unpack(table[:counts_end])]
+    total = sum(counts)
+    if total > m.NIXL_EXTENTS_MAX:
+        raise _reject(head, ErrorCode.LIMIT, f"NIXL_GET of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
+    if len(table) != counts_end + total * EXTENT.size:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET extent table of {len(table) - counts_end} bytes does not "
+                      f"hold {total} extents of {EXTENT.size} bytes (u64 address, u32 length)")
+    flat = list(EXTENT.iter_unpack(table[counts_end:]))
+    out, at = [], 0
+    for index, (count, (_, address, capacity)) in enumerate(zip(counts, items)):
+        extents = tuple(flat[at:at + count])
+        at += count
+        if not extents or extents[0][0] != address or sum(n for _, n in extents) != capacity:
+            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET item {index}: {count} extents that do not start at its "
+                          f"descriptor's address {address:#x} or do not add up to its capacity of {capacity} bytes")
+        out.append(extents)
+    return tuple(out)
 
 
 def _meta_get_reply(head: FrameHead, meta: bytes, limits: Limits):
@@ -145,10 +175,10 @@ def _meta_get_reply(head: FrameHead, meta: bytes, limits: Limits):
 
 
 def _build_get(head: FrameHead, parsed, _payload) -> m.NixlGet:
-    ns, name, items = parsed
+    ns, name, items, extents = parsed
     return m.NixlGet(head.request_id, tuple(key for key, _, _ in items), name,
                      tuple((address, capacity) for _, address, capacity in items), ns,
-                     bool(head.flags & FLAG_READER_VERIFIES))
+                     bool(head.flags & FLAG_READER_VERIFIES), extents)
 
 
 REQUEST_DECODERS = {
@@ -192,7 +222,24 @@ def _encode_get(msg: m.NixlGet):
         prefix = _key(msg.ns_id)
     items = b"".join(DESCRIPTOR.pack(_key(k), address, capacity)
                      for k, (address, capacity) in zip(msg.keys, msg.descriptors))
+    if msg.extents is not None:
+        flags |= FLAG_SCATTER
+        items += _encode_extents(msg)
     return Op.NIXL_GET, flags, msg.request_id, len(msg.keys), prefix + U16.pack(len(name)) + name + items, [], 0
+
+
+def _encode_extents(msg: m.NixlGet) -> bytes:
+    if len(msg.extents) != len(msg.keys):
+        raise ValueError(f"NIXL_GET of {len(msg.keys)} keys and {len(msg.extents)} extent lists")
+    total = sum(len(e) for e in msg.extents)
+    if total > m.NIXL_EXTENTS_MAX:
+        raise ValueError(f"NIXL_GET of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
+    for index, (extents, (address, capacity)) in enumerate(zip(msg.extents, msg.descriptors)):
+        if not extents or extents[0][0] != address or sum(n for _, n in extents) != capacity:
+            raise ValueError(f"NIXL_GET item {index}: its extents must start at its descriptor's address and add up "
+                             "to its capacity")
+    return b"".join(COUNT.pack(len(e)) for e in msg.extents) + b"".join(
+        EXTENT.pack(address, length) for extents in msg.extents for address, length in extents)
 
 
 def _encode_get_reply(msg: m.NixlGetReply):

@@ -48,18 +48,19 @@ class ClientRegions:
         return address + length <= start + size
 
 
-def check_descriptors(regions: ClientRegions, descriptors: Sequence[tuple[int, int]]) -> None:
-    """Every descriptor inside a region, none empty, none overlapping another (DescriptorError)."""
+def check_descriptors(regions: ClientRegions, descriptors: Sequence[tuple[int, int]], what: str = "descriptor") -> None:
+    """Every descriptor (or scatter extent: ``what``) inside a region, none empty, none overlapping
+    another (DescriptorError)."""
     for index, (address, capacity) in enumerate(descriptors):
         if capacity <= 0:
-            raise DescriptorError(f"descriptor {index}: capacity of {capacity} bytes")
+            raise DescriptorError(f"{what} {index}: capacity of {capacity} bytes")
         if not regions.contains(address, capacity):
-            raise DescriptorError(f"descriptor {index}: {capacity} bytes at {address:#x} are outside every region "
+            raise DescriptorError(f"{what} {index}: {capacity} bytes at {address:#x} are outside every region "
                                   f"this connection declared ({len(regions)} regions)")
     ordered = sorted(range(len(descriptors)), key=lambda i: descriptors[i][0])
     for before, after in zip(ordered, ordered[1:]):
         if descriptors[before][0] + descriptors[before][1] > descriptors[after][0]:
-            raise DescriptorError(f"descriptors {before} and {after} overlap")
+            raise DescriptorError(f"{what}s {before} and {after} overlap")
 
 
 def check_fits(descriptors: Sequence[tuple[int, int]], lengths: Sequence[int]) -> None:

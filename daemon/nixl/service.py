@@ -126,12 +126,15 @@ class NixlService:
             return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET names agent {msg.agent_name!r}; this "
                                 f"connection loaded {peer.agent_name!r}")
         try:
-            check_descriptors(peer.regions, msg.descriptors)
+            if msg.extents is None:
+                check_descriptors(peer.regions, msg.descriptors)
+            else:  # every extent of every item: inside the regions, none overlapping another
+                check_descriptors(peer.regions, [e for extents in msg.extents for e in extents], "extent")
         except DescriptorError as exc:
             return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
         in_memory = self._in_memory(msg)
         copied = [i for i, block in enumerate(in_memory) if block is None]
-        to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], msg.descriptors[i][0])
+        to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], _destination(msg, i))
                      for i, block in enumerate(in_memory) if block is not None]
         with self._agent.transfer(peer.agent_name, msg.request_id) as transfer:
             try:
@@ -173,7 +176,7 @@ class NixlService:
             for j, block in blocks.items():
                 i, n = copied[j], memoryview(block).nbytes
                 if n <= msg.descriptors[i][1]:  # it may have changed since it was located
-                    items.append((i, [(buffer_address(block), n)], msg.descriptors[i][0]))
+                    items.append((i, [(buffer_address(block), n)], _destination(msg, i)))
             if items:
                 transfer.post(plan_parts(items), [b for b in (session.get_arena, *session.transient_buffers)
                                                   if b is not None])
@@ -226,3 +229,8 @@ class NixlService:
                     except NixlTransferError as exc:
                         log.warning("event=nixl_device_memory_refused error=%s", exc)
             return self._memory_registered
+
+
+def _destination(msg: m.NixlGet, item: int) -> tuple[tuple[int, int], ...]:
+    """Where item ``item``'s block goes in the client's memory: its scatter extents, or its descriptor."""
+    return msg.extents[item] if msg.extents is not None else (msg.descriptors[item],)
