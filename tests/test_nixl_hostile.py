@@ -67,10 +67,10 @@ class RawPeer:
         reply = self.ch.exchange(m.NixlMetadata(0, self.agent.metadata(), (region,)))
         self.daemon_agent = self.agent.add_daemon(reply.metadata)
 
-    def get(self, keys, descriptors, agent_name=None):
+    def get(self, keys, descriptors, agent_name=None, extents=None):
         """The reply, once the blocks it says were written have arrived (their notification)."""
         reply = self.ch.exchange(m.NixlGet(0, tuple(keys), agent_name or self.agent.name, tuple(descriptors), NS,
-                                           True), while_waiting=self.agent.progress)
+                                           True, extents), while_waiting=self.agent.progress)
         request_id = self.ch.last_request_id
         written = sum(n for n in reply.lengths if n != DEFERRED_LENGTH)
         arrived, deadline = 0, time.monotonic() + 10.0
@@ -124,6 +124,52 @@ def test_writes_stay_inside_the_descriptor(daemon, stored):
         assert seen[8192 + 64:8192 + lengths[0]] == blocks[0][64:]
         outside = seen[:8192] + seen[8192 + lengths[0]:]
         assert outside.count(bytes([CANARY])) == len(outside)
+    finally:
+        peer.close()
+
+
+def _scatter(base: int, cuts) -> tuple[tuple[int, int], ...]:
+    """Extents (offset, length) from ``base``: one block's bytes spread over the buffer, gaps between."""
+    return tuple((base + offset, length) for offset, length in cuts)
+
+
+@pytest.mark.parametrize("second,message", [
+    ([(300_000, 10_000), (1 << 20, 10_064)], "outside every region"),  # its last extent past the region's end
+    ([(300_000, 10_000), (305_000, 10_064)], "overlap"),  # two extents of one block over each other
+    ([(100, 10_000), (600_000, 10_064)], "overlap"),  # over the first block's extents
+    ([(300_000, 10_000), (600_000, 10_063)], "cannot hold its block"),  # one byte short
+])
+def test_bad_scatter_extents_are_refused_and_nothing_is_written(daemon, stored, second, message):
+    keys, _, lengths = stored
+    peer = RawPeer(daemon.data_addr)
+    try:
+        first = _scatter(peer.base, [(0, 64), (4096, 10_000), (40_000, lengths[0] - 10_064)])
+        other = _scatter(peer.base, second)
+        descriptors = [(first[0][0], lengths[0]), (other[0][0], sum(n for _, n in other))]
+        with pytest.raises(p.RemoteError, match=message) as refused:
+            peer.get(keys, descriptors, extents=(first, other))
+        assert refused.value.code == p.ErrorCode.BAD_REQUEST
+        assert peer.untouched() and peer.still_served()
+    finally:
+        peer.close()
+
+
+def test_a_scattered_block_lands_in_its_extents_and_nowhere_else(daemon, stored):
+    keys, blocks, lengths = stored
+    peer = RawPeer(daemon.data_addr)
+    cuts = [(0, 64), (8192, 7000), (65536, 5000), (200_000, lengths[0] - 12_064)]
+    try:
+        extents = _scatter(peer.base, cuts)
+        reply = peer.get(keys[:1], [(extents[0][0], lengths[0])], extents=(extents,))
+        assert reply.lengths == (lengths[0],)
+        seen, pos, landed = bytes(peer.buf), 0, bytearray()
+        for offset, length in cuts:
+            landed += seen[offset:offset + length]
+        assert landed[64:] == blocks[0][64:]
+        touched = set()
+        for offset, length in cuts:
+            touched.update(range(offset, offset + length))
+        assert all(seen[i] == CANARY for i in range(len(seen)) if i not in touched)
     finally:
         peer.close()
 
