@@ -23,6 +23,10 @@ after the other, so the references share the disk and the hour:
    page cache dropped, read. Same byte count as the stores.
 4. iperf3 on loopback, as many streams as KVCache's GET streams.
 
+Where NIXL is installed, step 1 also loads every request through ``transport="nixl"``
+(shared memory; the daemon writes each block into the output's rows), page cache dropped
+and kvtierd restarted before.
+
 Writes perf/results/<UTC date>/store_load.json and prints a table; every
 kvtier figure is also a ratio to min(fio, iperf3) and to LMCache of this run.
 Needs root (drop_caches), fio and iperf3 (Debian packages), and for step 2 the
@@ -32,6 +36,7 @@ install torch==2.13.0; /var/tmp/lmcache-venv/bin/pip install lmcache==0.5.6``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import selectors
@@ -71,6 +76,8 @@ LMCACHE_TIMEOUT_S = 900  # the whole LMCache half: install-free import (~10 s) +
 LMCACHE_PYTHON = "/var/tmp/lmcache-venv/bin/python"
 WORK_PARENT = "/var/tmp"  # on the root disk, as /work is; /tmp may be tmpfs
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+NIXL_LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib*", "NIXL_LOG_LEVEL": "WARN"}
+NIXL_READY_TIMEOUT_S = 30.0
 
 
 def progress(msg: str) -> None:
@@ -139,7 +146,9 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
     ns = Namespace("llama-3-8b-bench", layout)
     assert layout.block_raw_bytes == 32 * MiB
     device_size = f"{max(512, 2 * total // DEVICES // MiB)}m"  # half full after the stores
-    d = start_kvtierd(work, "--device-size", device_size, "--region-size", REGION_SIZE, "--stripe-size", "1m")
+    nixl = importlib.util.find_spec("nixl_cu12") is not None
+    d = start_kvtierd(work, "--device-size", device_size, "--region-size", REGION_SIZE, "--stripe-size", "1m",
+                      "--nixl", "on" if nixl else "off", env={**os.environ, **NIXL_LOOPBACK})
     try:
         reqs = [make_request(SEED, i, request_tokens, LAYERS, KV_HEADS, HEAD_DIM) for i in range(requests)]
         progress(f"kvtier: store {requests} x {request_tokens} tokens ({total / GiB:.2f} GiB), durable")
@@ -180,16 +189,45 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
                 check_same(kv, got.layers)
                 del got
         progress(f"kvtier: loaded by direct reads and checked {total / direct.wall_s / 1e9:.2f} GB/s")
+        by_nixl = load_by_nixl(d, ns, reqs, outs, total) if nixl else None
         per_gib = lambda m: {"client": m.client_s * GiB / total, "daemon": m.daemon_s * GiB / total,  # noqa: E731
                              "total": (m.client_s + m.daemon_s) * GiB / total}
+        cpu = {"store": per_gib(store), "load": per_gib(load), "load_direct": per_gib(direct)}
+        if by_nixl is not None:
+            cpu["load_nixl"] = per_gib(by_nixl)
         return {"bytes": total, "blocks": total // layout.block_raw_bytes, "device_size": device_size,
                 "devices": DEVICES, "region_size": REGION_SIZE, "transport": "tcp", "hot_pool_bytes": 0,
                 "store_bytes_per_s": total / store.wall_s, "load_bytes_per_s": total / load.wall_s,
                 "load_direct_bytes_per_s": total / direct.wall_s,
-                "cpu_s_per_gib": {"store": per_gib(store), "load": per_gib(load), "load_direct": per_gib(direct)},
+                "load_nixl_bytes_per_s": None if by_nixl is None else total / by_nixl.wall_s,
+                "cpu_s_per_gib": cpu,
                 "lookup_us": lookup["tokens"], "lookup_keys_us": lookup["keys"], "bytes_checked": True}
     finally:
         d.stop()
+
+
+def load_by_nixl(d, ns, reqs, outs, total: int):
+    """Page cache dropped, kvtierd restarted: every request loaded through the nixl transport into
+    its zeroed output (the daemon scatters each block into the output's rows), bytes compared."""
+    from kvtier.client.kvcache import KVCache
+
+    progress("kvtier: drop page cache, restart kvtierd; load again through NIXL")
+    drop_page_cache()
+    d.restart()
+    meter = Meter()
+    with KVCache(ns, d.data_addr, hot_pool_bytes=0, transport="nixl", pool_size=KVCACHE_STREAMS) as cache:
+        if not cache.wait_nixl_ready(NIXL_READY_TIMEOUT_S):
+            raise RuntimeError("the nixl transport was not ready within "
+                               f"{NIXL_READY_TIMEOUT_S} s: {cache.statistics().as_dict().get('warm')}")
+        for (tokens, kv), out in zip(reqs, outs):
+            out.zero_()
+            with meter(d.pid):
+                got = cache.load(tokens, out=out)
+            assert got.transports == {"nixl": len(tokens) // BLOCK_TOKENS}, got.transports
+            check_same(kv, got.layers)
+            del got
+    progress(f"kvtier: loaded through NIXL and checked {total / meter.wall_s / 1e9:.2f} GB/s")
+    return meter
 
 
 def check_same(kv, layers) -> None:
@@ -299,6 +337,8 @@ def ratios(r: dict) -> dict:
     out = {"store_vs_min_fio_write_iperf3": k["store_bytes_per_s"] / min(fio["write"]["bytes_per_s"], ip),
            "load_vs_min_fio_read_iperf3": k["load_bytes_per_s"] / min(fio["read"]["bytes_per_s"], ip),
            "load_direct_vs_fio_read": k["load_direct_bytes_per_s"] / fio["read"]["bytes_per_s"],
+           **({} if k.get("load_nixl_bytes_per_s") is None else
+              {"load_nixl_vs_fio_read": k["load_nixl_bytes_per_s"] / fio["read"]["bytes_per_s"]}),
            # CPU per GiB against fio's for the same direction (fio's own usr+sys over its runtime)
            "store_cpu_total_vs_fio_write": k["cpu_s_per_gib"]["store"]["total"] / fio["write"]["cpu_s_per_gib"],
            "load_cpu_total_vs_fio_read": k["cpu_s_per_gib"]["load"]["total"] / fio["read"]["cpu_s_per_gib"]}
@@ -311,6 +351,8 @@ def ratios(r: dict) -> dict:
             "store_vs_lmcache": k["store_bytes_per_s"] / lm["store_bytes_per_s"],
             "load_vs_lmcache": k["load_bytes_per_s"] / lm["load_bytes_per_s"],
             "load_direct_vs_lmcache": k["load_direct_bytes_per_s"] / lm["load_bytes_per_s"],
+            **({} if k.get("load_nixl_bytes_per_s") is None else
+               {"load_nixl_vs_lmcache": k["load_nixl_bytes_per_s"] / lm["load_bytes_per_s"]}),
             # kvtier client + daemon against LMCache's one process (it does all of its work in-process)
             "store_cpu_total_vs_lmcache": k["cpu_s_per_gib"]["store"]["total"] / lm["cpu_s_per_gib"]["store_durable"],
             "load_cpu_total_vs_lmcache": k["cpu_s_per_gib"]["load"]["total"] / lm["cpu_s_per_gib"]["load"],
@@ -331,6 +373,10 @@ def print_table(r: dict) -> None:
             ("kvtier load, direct device reads", gb(k["load_direct_bytes_per_s"])),
             ("kvtier CPU s/GiB direct load: client / daemon",
              f"{k['cpu_s_per_gib']['load_direct']['client']:6.2f} / {k['cpu_s_per_gib']['load_direct']['daemon']:.2f}"),
+            *([] if k.get("load_nixl_bytes_per_s") is None else [
+                ("kvtier load through NIXL (shared memory)", gb(k["load_nixl_bytes_per_s"])),
+                ("kvtier CPU s/GiB NIXL load: client / daemon",
+                 f"{k['cpu_s_per_gib']['load_nixl']['client']:6.2f} / {k['cpu_s_per_gib']['load_nixl']['daemon']:.2f}")]),
             ("kvtier CPU s/GiB store: client / daemon",
              f"{k['cpu_s_per_gib']['store']['client']:6.2f} / {k['cpu_s_per_gib']['store']['daemon']:.2f}"),
             ("kvtier CPU s/GiB load: client / daemon",
@@ -461,6 +507,9 @@ def main(argv=None) -> int:
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
     progress(f"wrote {out_path}")
+    if result["kvtier"].get("load_nixl_bytes_per_s") is not None:
+        sys.stdout.flush()
+        os._exit(0)  # a UCX backend exists in this process: skip its teardown at exit (docs/nixl.md)
     return 0
 
 
