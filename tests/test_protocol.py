@@ -226,7 +226,7 @@ def test_rejected_requests_keep_the_framing():
         f.pack_header(p.Op.GET, 0, 2, p.BATCH_COUNT_MAX + 1, 0, 0),
         f.pack_header(p.Op.GET, 0, 3, 2, 30, 0) + b"k" * 30,
         client.send(p.Put(4, (K2,), (BLOCK2,))),  # 5064 bytes > 1000
-        f.pack_header(p.Op.GET, 0x40, 5, 1, 16, 0) + K1,
+        f.pack_header(p.Op.GET, 0x80, 5, 1, 16, 0) + K1,  # a flag no op defines
         f.pack_header(p.Op.PUT | p.REPLY_BIT, 0, 6, 0, 0, 0),  # a reply sent to a server
     ]
     good = client.send(p.Ping(7, b"still here"))
