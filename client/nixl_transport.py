@@ -6,10 +6,12 @@ otherwise), with control on the data protocol (NIXL_METADATA, NIXL_GET; docs/nix
 
     client                                   kvtierd
     LOOKUP (locations) ------------------->  lengths, seqs
-    NIXL_GET keys + descriptors ----------> read blocks into an arena (as a GET)
-                                  <======== NIXL WRITE into the descriptors, then a notification
+    NIXL_GET keys + descriptors ----------> from device memory, or read into an arena chunk by chunk
+      (+ scatter extents: the output's rows)
+                                  <======== NIXL WRITEs, a notification per part
+    fold each block's CRC as its parts come
                            <--------------- reply: length written per item
-    wait for the notification, verify every block (header CRC, payload CRC, key, seq)
+    finish each block: header CRC, payload CRC, key, seq
 
 One NIXL agent per process (:class:`ClientAgent`), without a progress thread (NIXL's
 spins on a core even while idle): while a NIXL_GET is in flight the requesting thread

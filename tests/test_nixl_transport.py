@@ -214,6 +214,7 @@ def test_concurrent_gets_each_get_their_own_buffer(daemon):
             for _ in range(5):
                 got = transport.get_many(keys, [loc.length for loc in locations], [loc.seq for loc in locations], NS)
                 ok &= [bytes(g)[64:] for g in got] == [b[64:] for b in blocks]
+                del got  # its buffer is free again: four threads need four buffers, not eight
             return ok
         with ThreadPoolExecutor(4) as pool:
             assert all(pool.map(fetch, range(4)))

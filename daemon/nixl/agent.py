@@ -10,7 +10,9 @@ The buffers a GET's blocks are read into (request arenas, transient buffers) are
 registered the first time a transfer uses them and stay registered while the
 daemon holds them, within ``REGISTERED_BYTES_MAX``: beyond it the least recently
 used registration not in use is dropped. The cache holds a reference to each
-registered buffer, so memory NIXL knows of is never freed under it.
+registered buffer, so memory NIXL knows of is never freed under it. Memory-backed
+devices are registered once, for the agent's life (:meth:`DaemonAgent.register_fixed`).
+A NIXL_GET's WRITEs are one :class:`Transfer`, posted part by part.
 """
 from __future__ import annotations
 
@@ -182,12 +184,6 @@ class DaemonAgent:
             total -= key[1]
 
     # -- transfers ------------------------------------------------------------
-    def write(self, peer: str, buffers: list[memoryview], parts: list, request_id: int) -> None:
-        """Post every part (see :class:`Transfer`) and wait for all of them."""
-        with self.transfer(peer, request_id) as transfer:
-            transfer.post(parts, buffers)
-            transfer.wait()
-
     def transfer(self, peer: str, request_id: int) -> "Transfer":
         """The WRITEs of one NIXL_GET to ``peer``: posted part by part, then waited for."""
         return Transfer(self, peer, request_id)
