@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib*", "NIXL_LOG_LEVEL": "WARN"}
 TLS = {"sm": "self,sm,tcp", "tcp": "self,tcp"}
 REGION_MIB = 64
+FLASH_STREAMS = 4  # GETs at once from flash: KVCache's default streams
 NS = b"\x0b" * 16
 
 
@@ -50,7 +51,8 @@ def _rate(nbytes: int, seconds: list[float]) -> dict:
 # -- 1. end-to-end GET -------------------------------------------------------------
 def child_get(tls: str, block_mib: int, total_mib: int, rounds: int, where: str = "dram") -> dict:
     """``where``: ``dram``, device files on tmpfs (the daemon WRITEs from their memory); ``flash``,
-    device files on the disk under perf/out, the blocks sealed out of the DRAM image (O_DIRECT reads)."""
+    device files on the disk under perf/out, the blocks sealed out of the DRAM image (O_DIRECT reads),
+    fetched as KVCache does, in FLASH_STREAMS GETs at once (fio gets as many jobs, one per device)."""
     from daemon_proc import start_kvtierd
     from kvtier.client import BlockClient
     from kvtier.client.nixl_transport import NixlTransport
@@ -69,7 +71,8 @@ def child_get(tls: str, block_mib: int, total_mib: int, rounds: int, where: str 
         keys = [struct.pack("<QQ", 7, i) for i in range(count)]
         blocks = [encode_block(k, NS, 0, os.urandom((block_mib << 20) - 64)) for k in keys]
         nbytes = sum(len(b) for b in blocks)
-        with BlockClient(d.data_addr, pool_size=1) as client:
+        streams = 1 if where == "dram" else FLASH_STREAMS
+        with BlockClient(d.data_addr, pool_size=streams) as client:
             client.put_many(list(zip(keys, blocks)), ns_id=NS)
             for i in range(filler_mib // 2):
                 client.put_many([(struct.pack("<QQ", 8, i), encode_block(struct.pack("<QQ", 8, i), NS, 0,
@@ -78,38 +81,54 @@ def child_get(tls: str, block_mib: int, total_mib: int, rounds: int, where: str 
             del blocks
             _, locations = client.lookup_locations(keys, ns_id=NS)
             geometry = client.geometry()
-            transport = NixlTransport(d.data_addr, pool_size=1)
+            devices = sorted(str(p) for p in data_dir.glob("device*.img"))
+            by_id = device_paths(devices)
+            fio_ranges = {by_id[geometry.device_ids[dev]]: r for dev, r in block_ranges(geometry, locations).items()}
+            fio_rates: list[float] = []
+            transport = NixlTransport(d.data_addr, pool_size=streams)
             lengths, seqs = [loc.length for loc in locations], [loc.seq for loc in locations]
             tcp_s, nixl_s = [], []
             for _ in range(rounds):
                 started = time.perf_counter()
-                got = client.get_many(keys, ns_id=NS, copy=False)
+                got = in_streams(lambda part: client.get_many(part, ns_id=NS, copy=False), keys, streams)
                 tcp_s.append(time.perf_counter() - started)
                 assert all(g is not None for g in got)
                 del got
                 started = time.perf_counter()
-                got = transport.get_many(keys, lengths, seqs, NS)
+                got = in_streams(lambda part: transport.get_many(part, [lengths[keys.index(k)] for k in part],
+                                                                 [seqs[keys.index(k)] for k in part], NS), keys, streams)
                 nixl_s.append(time.perf_counter() - started)
                 assert all(g is not None for g in got)
                 del got
+                if where == "flash":  # the reference in the same round: the host's caches as warm as ours
+                    fio_rates.append(fio_devices(fio_ranges))
             stats = transport.statistics()
             transport.close()
             served = client.stats()["nixl"].get("blocks_from_device_memory", 0)
-        devices = sorted(str(p) for p in data_dir.glob("device*.img"))
-        ranges = block_ranges(geometry, locations)
         out = {"tls": TLS[tls], "where": where, "transport": stats.transport, "block_mib": block_mib,
                "blocks": count, "blocks_from_device_memory": served, "tcp": _rate(nbytes, tcp_s),
                "nixl": _rate(nbytes, nixl_s)}
         if where == "dram":
             out["single_copy"] = single_copy(devices[0], nbytes, rounds)
         else:
-            d.stop()
-            by_id = device_paths(devices)
-            out["fio_devices"] = fio_devices({by_id[geometry.device_ids[dev]]: r for dev, r in ranges.items()}, rounds)
+            out["fio_devices"] = {"best_gbs": max(fio_rates), "median_gbs": statistics.median(fio_rates),
+                                  "devices": len(fio_ranges), "command": FIO_DEVICES_COMMAND}
         return out
     finally:
         d.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def in_streams(get, keys: list, streams: int) -> list:
+    """``get`` of ``keys`` in ``streams`` contiguous parts at once; the blocks in key order."""
+    if streams == 1 or len(keys) < 2:
+        return get(keys)
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = [len(keys) * s // streams for s in range(streams + 1)]
+    parts = [keys[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    with ThreadPoolExecutor(len(parts)) as pool:
+        return [block for got in pool.map(get, parts) for block in got]
 
 
 def single_copy(path: str, nbytes: int, rounds: int) -> dict:
@@ -143,14 +162,24 @@ def single_copy(path: str, nbytes: int, rounds: int) -> dict:
     return _rate(size, seconds)
 
 
-def block_ranges(geometry, locations) -> dict[int, tuple[int, int]]:
-    """Per device index, the (offset, length) span its share of the blocks lies in."""
-    spans: dict[int, list[int]] = {}
+def block_ranges(geometry, locations) -> dict[int, list[tuple[int, int]]]:
+    """Per device index, the (offset, length) runs its share of the blocks lies in, merged where they
+    touch (page-aligned): no byte of a region the blocks do not fill (unwritten space reads back
+    as zeros without touching the disk)."""
+    pieces: dict[int, list[tuple[int, int]]] = {}
     for loc in locations:
         for dev, offset, length in geometry.map_range(loc.logical_offset, loc.length):
-            lo, hi = spans.get(dev, (offset, offset + length))
-            spans[dev] = [min(lo, offset), max(hi, offset + length)]
-    return {dev: (lo // 4096 * 4096, -(-hi // 4096) * 4096 - lo // 4096 * 4096) for dev, (lo, hi) in spans.items()}
+            pieces.setdefault(dev, []).append((offset // 4096 * 4096, -(-(offset + length) // 4096) * 4096))
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for dev, spans in pieces.items():
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        runs[dev] = [(lo, hi - lo) for lo, hi in merged]
+    return runs
 
 
 def device_paths(paths: list[str]) -> dict[str, str]:
@@ -163,19 +192,25 @@ def device_paths(paths: list[str]) -> dict[str, str]:
     return out
 
 
-def fio_devices(ranges: dict[str, tuple[int, int]], rounds: int) -> dict:
-    """fio reading the blocks' own byte ranges of every device file at once, one job per device (the
-    daemon's RAID0 reads them so), 2 MiB O_DIRECT reads."""
-    rates = []
-    for _ in range(rounds):
-        jobs = [arg for i, (path, (offset, size)) in enumerate(sorted(ranges.items()))
-                for arg in (f"--name=dev{i}", f"--filename={path}", f"--offset={offset}", f"--size={size}")]
-        out = subprocess.run(["fio", "--rw=read", "--bs=2m", "--direct=1", "--ioengine=psync", "--group_reporting",
-                              "--output-format=json", *jobs], capture_output=True, text=True, timeout=300)
-        rates.append(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9)
-    return {"best_gbs": max(rates), "median_gbs": statistics.median(rates), "devices": len(ranges),
-            "command": "fio --rw=read --bs=2m --direct=1 --ioengine=psync --group_reporting, one job per device "
-                       "file over the blocks' byte range there"}
+FIO_DEVICES_COMMAND = ("fio --rw=read --bs=2m --direct=1 --ioengine=psync, one job per device file and run of "
+                       "the blocks' bytes there, the k-th runs of every device together (stonewall between), "
+                       "once a round after the round's GETs")
+
+
+def fio_devices(runs: dict[str, list[tuple[int, int]]]) -> float:
+    """GB/s of fio reading exactly the blocks' byte runs of the device files, every device at once
+    (the daemon's RAID0 reads them so), 2 MiB O_DIRECT reads."""
+    args = []
+    for k in range(max(len(r) for r in runs.values())):
+        group = [(path, r[k]) for path, r in sorted(runs.items()) if k < len(r)]
+        for i, (path, (offset, size)) in enumerate(group):
+            args += [f"--name=run{k}dev{i}", f"--filename={path}", f"--offset={offset}", f"--size={size}"]
+            if i == 0 and k:
+                args.append("--stonewall")
+    out = subprocess.run(["fio", "--rw=read", "--bs=2m", "--direct=1", "--ioengine=psync", "--group_reporting",
+                          "--output-format=json", *args], capture_output=True, text=True, timeout=300)
+    groups = json.loads(out.stdout)["jobs"]
+    return sum(g["read"]["io_bytes"] for g in groups) / (sum(g["read"]["runtime"] for g in groups) / 1e3) / 1e9
 
 
 # -- 2. raw transfers ----------------------------------------------------------------
@@ -353,7 +388,8 @@ def main() -> None:
     for tls, block_mib, where in [("sm", 2, "dram"), ("sm", 32, "dram"), ("tcp", 2, "dram"), ("tcp", 32, "dram"),
                                   ("sm", 2, "flash"), ("sm", 32, "flash")]:
         print(f"GET: {tls}, {block_mib} MiB blocks, {where}", file=sys.stderr, flush=True)
-        out = subprocess.run([sys.executable, __file__, "--child-get", tls, str(block_mib), str(args.total_mib),
+        total_mib = args.total_mib * (FLASH_STREAMS if where == "flash" else 1)  # each stream as much as one DRAM GET
+        out = subprocess.run([sys.executable, __file__, "--child-get", tls, str(block_mib), str(total_mib),
                               str(rounds), where], capture_output=True, text=True, timeout=600)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
         if out.returncode != 0 or not line:
