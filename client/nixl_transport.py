@@ -64,6 +64,7 @@ DESTINATION_BUFFERS_MAX = 8  # registered destination buffers kept; more request
 DESTINATION_BUFFER_BYTES_MIN = 16 << 20  # one arena's reply: smaller requests share this size (reuse)
 DESTINATION_BYTES_MAX = 1 << 30  # all destination buffers of the process together
 SLOT_ALIGN_BYTES = 4096  # each block starts on a page of its destination buffer
+NOTES_KEPT_MAX = 4096  # requests whose notifications are kept, waiting to be taken (the oldest go first)
 PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET progresses the agent
 NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
 
@@ -131,7 +132,8 @@ class ClientAgent:
         self._lent: dict[tuple[int, int], list] = {}  # the callers' regions (lend): address, length -> [descs, lenders]
         self.generation = 0  # bumped whenever the registered buffers change
         self._notes_lock = threading.Lock()
-        self._notes: set[tuple[str, bytes]] = set()
+        self._notes: dict[tuple[str, bytes], list[bytes]] = {}  # (sender, request prefix) -> notifications
+        self._notes_max = NOTES_KEPT_MAX
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -204,17 +206,19 @@ class ClientAgent:
         with self._notes_lock:
             for sender, messages in self._agent.get_new_notifs().items():
                 sender = sender.decode() if isinstance(sender, bytes) else sender
-                self._notes.update((sender, bytes(msg)) for msg in messages)
+                for msg in messages:
+                    msg = bytes(msg)
+                    self._notes.setdefault((sender, msg[:len(notification_prefix(0))]), []).append(msg)
+            while len(self._notes) > self._notes_max:  # of requests that failed before taking them all
+                del self._notes[next(iter(self._notes))]
 
     def take_parts(self, daemon: str, request_id: int) -> list[tuple[int, int, int]]:
         """The ``(item, offset, length)`` ranges ``daemon`` has notified for request ``request_id``
         since the last call (each is handed out once; a malformed notification is dropped)."""
-        prefix = notification_prefix(request_id)
         with self._notes_lock:
-            mine = [note for note in self._notes if note[0] == daemon and note[1].startswith(prefix)]
-            self._notes.difference_update(mine)
+            mine = self._notes.pop((daemon, notification_prefix(request_id)), [])
         ranges = []
-        for _, message in mine:
+        for message in mine:
             try:
                 ranges += parse_part_notification(message)[1]
             except ValueError as exc:
