@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import crc32c
 
-from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, check_header, decode_header
 
 from .scatter_plan import LandedBlock
 
@@ -81,12 +81,7 @@ class ArrivingBlocks:
             self._fold(state, length)
         head = state.views[0]
         header = decode_header(head)
-        if header.block_size != length:
-            raise BlockFormatError(f"block is {length} bytes, header says {header.block_size}")
-        if header.key != bytes(key):
-            raise BlockFormatError(f"block key {header.key.hex()} is not the expected {bytes(key).hex()}")
-        if header.seq != seq:
-            raise BlockFormatError(f"block sequence {header.seq} is not the expected {seq}")
+        check_header(header, length, key, seq)
         crc = state.crc if state.checked == length else self._crc(state, length)
         if crc != header.payload_crc:
             raise BlockFormatError(f"payload CRC mismatch for key {header.key.hex()}")

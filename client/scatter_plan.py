@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import crc32c
 
-from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, check_header, decode_header, verify_block
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.wire.payload_pieces import as_bytes_view
 
@@ -100,12 +100,11 @@ def verify_landed(pieces: tuple, key: bytes, head_nbytes: int) -> LandedBlock | 
     head = pieces[0]
     if head.nbytes != head_nbytes:
         return None
+    nbytes = sum(piece.nbytes for piece in pieces)
     try:
         header = decode_header(head)
+        check_header(header, nbytes, key)
     except BlockFormatError:
-        return None
-    nbytes = sum(piece.nbytes for piece in pieces)
-    if header.key != bytes(key) or header.block_size != nbytes:
         return None
     crc = crc32c.crc32c(head[HEADER_SIZE:])
     for piece in pieces[1:]:

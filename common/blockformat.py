@@ -118,15 +118,22 @@ def verify_block(buf, expected_key: bytes | None = None, expected_seq: int | Non
     that only passes the block on to a reader who checks it (the daemon's GET)."""
     view = memoryview(buf).cast("B")
     header = decode_header(view)
-    if view.nbytes != header.block_size:
-        raise BlockFormatError(f"block is {view.nbytes} bytes, header says {header.block_size}")
+    check_header(header, view.nbytes, expected_key, expected_seq)
+    if payload and crc32c.crc32c(view[HEADER_SIZE:]) != header.payload_crc:
+        raise BlockFormatError(f"payload CRC mismatch for key {header.key.hex()}")
+    return header
+
+
+def check_header(header: BlockHeader, block_nbytes: int, expected_key: bytes | None = None,
+                 expected_seq: int | None = None) -> None:
+    """A decoded header against the block it heads: its size (``block_nbytes``), and the key and
+    sequence the reader expects. Raises :class:`BlockFormatError` naming the first mismatch."""
+    if block_nbytes != header.block_size:
+        raise BlockFormatError(f"block is {block_nbytes} bytes, header says {header.block_size}")
     if expected_key is not None and header.key != bytes(expected_key):
         raise BlockFormatError(f"block key {header.key.hex()} is not the expected {bytes(expected_key).hex()}")
     if expected_seq is not None and header.seq != expected_seq:
         raise BlockFormatError(f"block sequence {header.seq} is not the expected {expected_seq}")
-    if payload and crc32c.crc32c(view[HEADER_SIZE:]) != header.payload_crc:
-        raise BlockFormatError(f"payload CRC mismatch for key {header.key.hex()}")
-    return header
 
 
 def stamp_sequence(block: bytearray | memoryview, seq: int) -> None:

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, check_header, decode_header
 
 from . import regionfmt as fmt
 from .allocator import Allocator
@@ -46,7 +46,7 @@ class BlockInMemory:
 class GetDriver:
     def __init__(self, blocks: BlockMap, allocator: Allocator, reader: BlockReader, lock: threading.RLock,
                  counters: EngineCounters, check_open: Callable[[], None], region_size_bytes: int,
-                 array: StripedArray | None = None):
+                 array: StripedArray):
         self._array = array
         self._blocks = blocks
         self._allocator = allocator
@@ -128,7 +128,7 @@ class GetDriver:
         only a reader that verifies the CRC of what it took may use them. Counted and touched as
         reads of the blocks returned."""
         results: list[BlockInMemory | None] = [None] * len(keys)
-        if not keys or self._array is None or self._array.memories() is None:
+        if not keys or self._array.memories() is None:
             return results
         keys = [bytes(k) for k in keys]
         k0, k1 = fmt.keys_to_halves(keys)
@@ -206,7 +206,7 @@ def _header_matches(pieces: list[memoryview], key: bytes, seq: int, length: int)
         if len(head) == HEADER_SIZE:
             break
     try:
-        header = decode_header(head)
+        check_header(decode_header(head), length, key, seq)
     except BlockFormatError:
         return False
-    return header.key == key and header.seq == seq and header.block_size == length
+    return True
