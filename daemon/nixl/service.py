@@ -136,9 +136,10 @@ class NixlService:
         copied = [i for i, block in enumerate(in_memory) if block is None]
         to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], _destination(msg, i))
                      for i, block in enumerate(in_memory) if block is not None]
+        lengths = [0 if block is None else block.length for block in in_memory]
         with self._agent.transfer(peer.agent_name, msg.request_id) as transfer:
             try:
-                lengths = self._write(msg, session, transfer, in_memory, copied, to_memory)
+                self._write(msg, session, transfer, lengths, copied, to_memory)
                 transfer.wait()
             except DescriptorError as exc:
                 return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
@@ -152,47 +153,43 @@ class NixlService:
                 self._blocks_from_memory += len(to_memory)
         return m.NixlGetReply(msg.request_id, tuple(lengths))
 
-    def _write(self, msg: m.NixlGet, session, transfer, in_memory: list, copied: list[int],
-               to_memory: list) -> list[int]:
-        """Post the WRITEs of a NIXL_GET: blocks in device memory at once, the others chunk by chunk
-        as they are read into the request's buffer; returns the length written per item.
-        DescriptorError (before anything is posted or read): a block does not fit its descriptor."""
-        lengths = [0] * len(msg.keys)
-        for i, block in enumerate(in_memory):
-            if block is not None:
-                lengths[i] = block.length
+    def _write(self, msg: m.NixlGet, session, transfer, lengths: list[int], copied: list[int],
+               to_memory: list) -> None:
+        """Post the WRITEs of a NIXL_GET: blocks in device memory at once, the others (``copied``)
+        chunk by chunk as they are read into the request's buffer. ``lengths`` holds the device
+        memory blocks' lengths and gets every other item's written length. DescriptorError (before
+        anything is posted or read): a block does not fit its descriptor."""
+        def fits(i: int, n: int) -> bool:  # a block read may have changed size since it was located
+            return n <= msg.descriptors[i][1]
 
-        def check(layout) -> None:  # the located lengths, before anything is read or written
-            for j, i in enumerate(copied):
-                lengths[i] = 0 if j < layout.answered else DEFERRED_LENGTH
-            for j, n in zip(layout.hits, layout.lengths):
-                lengths[copied[j]] = n
+        def check_and_post_memory(layout=None) -> None:  # before anything is read or written
+            if layout is not None:  # the located lengths of the blocks to read
+                for j, i in enumerate(copied):
+                    lengths[i] = 0 if j < layout.answered else DEFERRED_LENGTH
+                for j, n in zip(layout.hits, layout.lengths):
+                    lengths[copied[j]] = n
             check_fits(msg.descriptors, [0 if n == DEFERRED_LENGTH else n for n in lengths])
             if to_memory:
                 transfer.post(plan_parts(to_memory))
 
+        if not copied:
+            check_and_post_memory()
+            return
+
         def send(blocks: dict) -> None:
-            items = []
-            for j, block in blocks.items():
-                i, n = copied[j], memoryview(block).nbytes
-                if n <= msg.descriptors[i][1]:  # it may have changed since it was located
-                    items.append((i, [(buffer_address(block), n)], _destination(msg, i)))
+            items = [(copied[j], [(buffer_address(block), memoryview(block).nbytes)], _destination(msg, copied[j]))
+                     for j, block in blocks.items() if fits(copied[j], memoryview(block).nbytes)]
             if items:
                 transfer.post(plan_parts(items), [b for b in (session.get_arena, *session.transient_buffers)
                                                   if b is not None])
 
-        if not copied:
-            check_fits(msg.descriptors, lengths)
-            if to_memory:
-                transfer.post(plan_parts(to_memory))
-            return lengths
         keys = msg.keys if len(copied) == len(msg.keys) else tuple(msg.keys[i] for i in copied)
         chunks: queue.Queue = queue.Queue()
 
         def read() -> p.GetReply:  # on a reader thread: chunk k+1 is read while this thread sends chunk k
             try:
                 return self._gets.reply_in_chunks(p.Get(msg.request_id, keys, msg.ns_id, msg.reader_verifies),
-                                                  session, check, chunks.put)
+                                                  session, check_and_post_memory, chunks.put)
             finally:
                 chunks.put(None)
 
@@ -204,8 +201,7 @@ class NixlService:
             reply = reading.result()  # the reader's error (a refusal from check) once it has stopped
         for i, block in zip(copied, reply.blocks):
             n = DEFERRED_LENGTH if block is p.DEFERRED else 0 if block is None else memoryview(block).nbytes
-            lengths[i] = n if n <= msg.descriptors[i][1] or n == DEFERRED_LENGTH else 0
-        return lengths
+            lengths[i] = n if n == DEFERRED_LENGTH or fits(i, n) else 0
 
     def _in_memory(self, msg: m.NixlGet) -> list:
         """Per key, the block as device memory to WRITE from in place (None: read it into an arena).
