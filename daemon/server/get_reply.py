@@ -113,8 +113,9 @@ class GetReplies:
         deferred: list[int] = []
         start = 0
         while start < len(keys):
-            end = start + 1
-            while end < len(keys) and sum(layout.slot_bytes[start:end + 1]) <= chunk_bytes:
+            end, size = start + 1, layout.slot_bytes[start]
+            while end < len(keys) and size + layout.slot_bytes[end] <= chunk_bytes:
+                size += layout.slot_bytes[end]
                 end += 1
             try:
                 placed[start:end] = self._engine.get_many_placed(keys[start:end], slots[start:end],

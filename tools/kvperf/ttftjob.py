@@ -24,8 +24,8 @@ report counts the timed loads' blocks by the transport that carried them. The mo
 random-weight Llamas of :mod:`.models` (no download) unless ``model=`` names
 a local checkpoint directory. ``ttft_threads`` sets the model's torch threads on the CPU (its
 report says how many ran): on a GPU host the model's compute does not take the cores the load
-runs on, and fewer threads than cores is how a CPU host leaves them. With ``verify`` and the raw codec, the kvtier
-logits must equal the in-memory ones and the KV loaded alone the stored KV,
+runs on, and fewer threads than cores is how a CPU host leaves them. With ``verify`` and the
+raw codec, the kvtier logits must equal the in-memory ones and the KV loaded alone the stored KV,
 exactly; every stored block must load.
 """
 from __future__ import annotations
