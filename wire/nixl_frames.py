@@ -142,6 +142,11 @@ def _meta_get(head: FrameHead, meta: bytes, limits: Limits):
     return ns, name, items, _scatter_extents(head, meta[table_end:], items) if scatter else None
 
 
+def _extents_match(extents, address: int, capacity: int) -> bool:
+    """An item's extents start at its descriptor's address and add up to its capacity."""
+    return bool(extents) and extents[0][0] == address and sum(n for _, n in extents) == capacity
+
+
 def _scatter_extents(head: FrameHead, table: bytes, items) -> tuple:
     """The SCATTER section: per item its extents, each item's matching its descriptor."""
     counts_end = len(items) * COUNT.size
@@ -159,7 +164,7 @@ def _scatter_extents(head: FrameHead, table: bytes, items) -> tuple:
     for index, (count, (_, address, capacity)) in enumerate(zip(counts, items)):
         extents = tuple(flat[at:at + count])
         at += count
-        if not extents or extents[0][0] != address or sum(n for _, n in extents) != capacity:
+        if not _extents_match(extents, address, capacity):
             raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET item {index}: {count} extents that do not start at its "
                           f"descriptor's address {address:#x} or do not add up to its capacity of {capacity} bytes")
         out.append(extents)
@@ -235,7 +240,7 @@ def _encode_extents(msg: m.NixlGet) -> bytes:
     if total > m.NIXL_EXTENTS_MAX:
         raise ValueError(f"NIXL_GET of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
     for index, (extents, (address, capacity)) in enumerate(zip(msg.extents, msg.descriptors)):
-        if not extents or extents[0][0] != address or sum(n for _, n in extents) != capacity:
+        if not _extents_match(extents, address, capacity):
             raise ValueError(f"NIXL_GET item {index}: its extents must start at its descriptor's address and add up "
                              "to its capacity")
     return b"".join(COUNT.pack(len(e)) for e in msg.extents) + b"".join(
