@@ -24,6 +24,7 @@ FEATURE_PIN_TTL = "pin_ttl"  # HELLO features: PIN honours FLAG_PIN_TTL (soft pi
 PIN_TTL_MS_MAX = 2**32 - 1  # the PIN meta's u32: about 49.7 days
 FEATURE_UPSTREAM = "upstream"  # HELLO features: the daemon has an upstream and answers FLAG_WANT_ORIGIN
 FEATURE_NIXL = "nixl"  # HELLO features: the daemon runs a NIXL agent and answers NIXL_METADATA / NIXL_GET
+FEATURE_NIXL_PUT = "nixl_put"  # HELLO features: the daemon answers NIXL_PUT (READs the blocks from the client)
 NIXL_AGENT_METADATA_BYTES_MAX = 256 << 10  # a NIXL agent's metadata blob: ~300 bytes + ~50 per registered region
 NIXL_REGIONS_MAX = 1024  # destination regions one client declares: a hot pool or KV pages in a few large buffers
 NIXL_AGENT_NAME_BYTES_MAX = 256  # a NIXL agent name: a label, like HELLO's client name
@@ -70,6 +71,7 @@ class Op(enum.IntEnum):
     PING = 0x0A
     NIXL_METADATA = 0x0B  # NIXL agent metadata exchange (after HELLO, on the authenticated connection)
     NIXL_GET = 0x0C  # GET whose blocks the daemon WRITEs into the client's NIXL descriptors
+    NIXL_PUT = 0x0D  # PUT whose blocks the daemon READs from the client's NIXL memory
     ERROR = 0x7F  # a reply only
     # replies: request op | REPLY_BIT
 
@@ -380,7 +382,27 @@ class NixlGetReply:
     lengths: tuple[int, ...]
 
 
-REQUEST_TYPES = (Hello, Lookup, Get, Put, Delete, Pin, Unpin, Flush, Stats, Ping, NixlMetadata, NixlGet)
+@dataclass(frozen=True)
+class NixlPut:
+    """A PUT whose blocks the daemon READs from the client agent ``agent_name`` (the one its
+    NIXL_METADATA loaded): block i is the bytes of ``extents[i] = ((address, length), ...)`` in
+    order, each extent inside a region that agent declared."""
+
+    request_id: int
+    keys: tuple[bytes, ...]
+    agent_name: str
+    extents: tuple[tuple[tuple[int, int], ...], ...]
+    durable: bool = False
+    ns_id: bytes | None = None
+
+
+@dataclass(frozen=True)
+class NixlPutReply:
+    request_id: int
+    seqs: tuple[int, ...]  # as a PUT's
+
+
+REQUEST_TYPES = (Hello, Lookup, Get, Put, Delete, Pin, Unpin, Flush, Stats, Ping, NixlMetadata, NixlGet, NixlPut)
 REPLY_TYPES = (HelloReply, LookupReply, GetReply, PutReply, DeleteReply, PinReply, UnpinReply,
                FlushReply, StatsReply, PingReply, ErrorReply,
-               NixlMetadataReply, NixlGetReply)
+               NixlMetadataReply, NixlGetReply, NixlPutReply)

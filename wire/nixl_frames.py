@@ -1,4 +1,4 @@
-"""The byte layout of the NIXL ops (pure, no I/O): NIXL_METADATA (0x0B) and NIXL_GET (0x0C).
+"""The byte layout of the NIXL ops (pure, no I/O): NIXL_METADATA (0x0B), NIXL_GET (0x0C), NIXL_PUT (0x0D).
 
 Control stays on the data protocol; only block bytes move through NIXL. Both ops
 are refused before HELLO like every other op (:func:`kvtier.wire.state.check_before_hello`),
@@ -18,6 +18,13 @@ so agent metadata is only ever exchanged on an authenticated connection::
     NIXL_GET reply          count = items, no payload
         count x u32 length written at the item's descriptor (0 miss, 0xFFFFFFFF deferred)
 
+    NIXL_PUT request        count = items; flags HAS_NS, DURABLE
+        [ns] u16 name_len, agent name (UTF-8)
+        count x SOURCE (key, u32 extents)
+        then every item's EXTENTs (u64 address, u32 length) in order: its block's bytes
+    NIXL_PUT reply          count = items, no payload
+        count x u64 seq, as a PUT's
+
 Neither carries a payload. The decoders are pairs like :mod:`kvtier.wire.readers`'
 (a meta check, then a builder); :func:`encode` is the writer's half.
 """
@@ -27,13 +34,16 @@ import struct
 
 from kvtier.wire import events as m
 from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
-from kvtier.wire.frames import DEFERRED_LENGTH, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_SCATTER, U16, FrameHead
+from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_SCATTER, U16,
+                                FrameHead)
 
 REGION = struct.Struct("<QQ")  # NIXL_METADATA item: address, length_bytes
 assert REGION.size == 16
 DESCRIPTOR = struct.Struct("<16sQI")  # NIXL_GET item: key, address, capacity_bytes
 assert DESCRIPTOR.size == m.KEY_SIZE + 12
-EXTENT = struct.Struct("<QI")  # NIXL_GET with SCATTER: address, length
+EXTENT = struct.Struct("<QI")  # NIXL_GET with SCATTER, NIXL_PUT: address, length
+SOURCE = struct.Struct("<16sI")  # NIXL_PUT item: key, extents
+assert SOURCE.size == m.KEY_SIZE + 4
 COUNT = struct.Struct("<I")
 ADDRESS_MAX = 2**64 - 1
 NOTIFICATION_PREFIX = b"kvtier-get:"  # a NIXL_GET part's notification: this, the request id, its ranges
@@ -114,6 +124,19 @@ def _meta_get(head: FrameHead, meta: bytes, limits: Limits):
     _no_payload(head)
     if head.count > limits.batch_count_max:
         raise _reject(head, ErrorCode.LIMIT, f"batch of {head.count} items is over the limit {limits.batch_count_max}")
+    ns, name, items_at = _ns_and_agent(head, meta, "NIXL_GET")
+    table_end = items_at + head.count * DESCRIPTOR.size
+    scatter = bool(head.flags & FLAG_SCATTER)
+    if len(meta) < table_end or (not scatter and len(meta) != table_end):
+        raise _reject(head, ErrorCode.BAD_REQUEST,
+                      f"NIXL_GET descriptor table of {len(meta) - items_at} bytes does not hold {head.count} items "
+                      f"of {DESCRIPTOR.size} bytes (16-byte key, u64 address, u32 capacity)")
+    items = tuple(DESCRIPTOR.iter_unpack(meta[items_at:table_end]))
+    return ns, name, items, _scatter_extents(head, meta[table_end:], items) if scatter else None
+
+
+def _ns_and_agent(head: FrameHead, meta: bytes, op: str) -> tuple[bytes | None, str, int]:
+    """The namespace id (HAS_NS), the agent name and where the item table starts."""
     off = 0
     ns = None
     if head.flags & FLAG_HAS_NS:
@@ -123,23 +146,50 @@ def _meta_get(head: FrameHead, meta: bytes, limits: Limits):
     try:
         (name_len,) = U16.unpack_from(meta, off)
     except struct.error:
-        raise _reject(head, ErrorCode.BAD_REQUEST, "NIXL_GET meta section has no agent name") from None
-    if not 0 < name_len <= m.NIXL_AGENT_NAME_BYTES_MAX:
-        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET agent name of {name_len} bytes: expected "
-                      f"1..{m.NIXL_AGENT_NAME_BYTES_MAX}")
-    items_at = off + 2 + name_len
-    table_end = items_at + head.count * DESCRIPTOR.size
-    scatter = bool(head.flags & FLAG_SCATTER)
-    if len(meta) < table_end or (not scatter and len(meta) != table_end):
-        raise _reject(head, ErrorCode.BAD_REQUEST,
-                      f"NIXL_GET descriptor table of {len(meta) - items_at} bytes does not hold {head.count} items "
-                      f"of {DESCRIPTOR.size} bytes (16-byte key, u64 address, u32 capacity)")
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"{op} meta section has no agent name") from None
+    if not 0 < name_len <= m.NIXL_AGENT_NAME_BYTES_MAX or len(meta) < off + 2 + name_len:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"{op} agent name of {name_len} bytes: expected "
+                      f"1..{m.NIXL_AGENT_NAME_BYTES_MAX}, inside the meta section")
     try:
-        name = bytes(meta[off + 2:items_at]).decode("utf-8")
+        name = bytes(meta[off + 2:off + 2 + name_len]).decode("utf-8")
     except UnicodeDecodeError:
-        raise _reject(head, ErrorCode.BAD_REQUEST, "NIXL_GET agent name is not UTF-8") from None
-    items = tuple(DESCRIPTOR.iter_unpack(meta[items_at:table_end]))
-    return ns, name, items, _scatter_extents(head, meta[table_end:], items) if scatter else None
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"{op} agent name is not UTF-8") from None
+    return ns, name, off + 2 + name_len
+
+
+def _meta_put(head: FrameHead, meta: bytes, limits: Limits):
+    _no_payload(head)
+    if not 0 < head.count <= limits.batch_count_max:
+        raise _reject(head, ErrorCode.LIMIT, f"NIXL_PUT of {head.count} items: expected 1..{limits.batch_count_max}")
+    ns, name, items_at = _ns_and_agent(head, meta, "NIXL_PUT")
+    table_end = items_at + head.count * SOURCE.size
+    if len(meta) < table_end:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT item table of {len(meta) - items_at} bytes does not hold "
+                      f"{head.count} items of {SOURCE.size} bytes (16-byte key, u32 extents)")
+    items = tuple(SOURCE.iter_unpack(meta[items_at:table_end]))
+    total = sum(count for _, count in items)
+    if total > m.NIXL_EXTENTS_MAX:
+        raise _reject(head, ErrorCode.LIMIT, f"NIXL_PUT of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
+    if len(meta) != table_end + total * EXTENT.size:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT extent table of {len(meta) - table_end} bytes does not "
+                      f"hold {total} extents of {EXTENT.size} bytes (u64 address, u32 length)")
+    flat = list(EXTENT.iter_unpack(meta[table_end:]))
+    extents, at = [], 0
+    for index, (_, count) in enumerate(items):
+        mine = tuple(flat[at:at + count])
+        at += count
+        if not mine or any(n == 0 for _, n in mine):
+            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT item {index}: {count} extents; a block is one or "
+                          "more extents of one byte or more")
+        extents.append(mine)
+    return ns, name, tuple(key for key, _ in items), tuple(extents)
+
+
+def _meta_put_reply(head: FrameHead, meta: bytes, limits: Limits):
+    _no_payload(head)
+    if len(meta) != head.count * 8:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT reply of {len(meta)} bytes for {head.count} items")
+    return struct.unpack(f"<{head.count}Q", meta)
 
 
 def _extents_match(extents, address: int, capacity: int) -> bool:
@@ -189,10 +239,13 @@ def _build_get(head: FrameHead, parsed, _payload) -> m.NixlGet:
 REQUEST_DECODERS = {
     Op.NIXL_METADATA: (_meta_metadata, lambda h, p, _: m.NixlMetadata(h.request_id, p[1], p[0])),
     Op.NIXL_GET: (_meta_get, _build_get),
+    Op.NIXL_PUT: (_meta_put, lambda h, p, _: m.NixlPut(h.request_id, p[2], p[1], p[3], bool(h.flags & FLAG_DURABLE),
+                                                       p[0])),
 }
 REPLY_DECODERS = {
     Op.NIXL_METADATA: (_meta_metadata_reply, lambda h, p, _: m.NixlMetadataReply(h.request_id, p)),
     Op.NIXL_GET: (_meta_get_reply, lambda h, p, _: m.NixlGetReply(h.request_id, p)),
+    Op.NIXL_PUT: (_meta_put_reply, lambda h, p, _: m.NixlPutReply(h.request_id, p)),
 }
 
 
@@ -214,23 +267,42 @@ def _encode_metadata(msg: m.NixlMetadata):
     return Op.NIXL_METADATA, 0, msg.request_id, len(msg.regions), meta, [], 0
 
 
-def _encode_get(msg: m.NixlGet):
-    if len(msg.keys) != len(msg.descriptors):
-        raise ValueError(f"NIXL_GET of {len(msg.keys)} keys and {len(msg.descriptors)} descriptors")
+def _ns_and_agent_bytes(msg) -> tuple[int, bytes]:
+    """(HAS_NS or 0, the namespace id and the agent name as the meta section starts with them)."""
     name = msg.agent_name.encode("utf-8")
     if not 0 < len(name) <= m.NIXL_AGENT_NAME_BYTES_MAX:
         raise ValueError(f"NIXL agent name of {len(name)} bytes: expected 1..{m.NIXL_AGENT_NAME_BYTES_MAX}")
-    flags = FLAG_READER_VERIFIES if msg.reader_verifies else 0
-    prefix = b""
-    if msg.ns_id is not None:
-        flags |= FLAG_HAS_NS
-        prefix = _key(msg.ns_id)
+    if msg.ns_id is None:
+        return 0, U16.pack(len(name)) + name
+    return FLAG_HAS_NS, _key(msg.ns_id) + U16.pack(len(name)) + name
+
+
+def _encode_get(msg: m.NixlGet):
+    if len(msg.keys) != len(msg.descriptors):
+        raise ValueError(f"NIXL_GET of {len(msg.keys)} keys and {len(msg.descriptors)} descriptors")
+    flags, prefix = _ns_and_agent_bytes(msg)
+    flags |= FLAG_READER_VERIFIES if msg.reader_verifies else 0
     items = b"".join(DESCRIPTOR.pack(_key(k), address, capacity)
                      for k, (address, capacity) in zip(msg.keys, msg.descriptors))
     if msg.extents is not None:
         flags |= FLAG_SCATTER
         items += _encode_extents(msg)
-    return Op.NIXL_GET, flags, msg.request_id, len(msg.keys), prefix + U16.pack(len(name)) + name + items, [], 0
+    return Op.NIXL_GET, flags, msg.request_id, len(msg.keys), prefix + items, [], 0
+
+
+def _encode_put(msg: m.NixlPut):
+    if not msg.keys or len(msg.keys) != len(msg.extents):
+        raise ValueError(f"NIXL_PUT of {len(msg.keys)} keys and {len(msg.extents)} extent lists (one or more items)")
+    if any(not extents or any(n <= 0 for _, n in extents) for extents in msg.extents):
+        raise ValueError("NIXL_PUT: every block is one or more extents of one byte or more")
+    total = sum(len(e) for e in msg.extents)
+    if total > m.NIXL_EXTENTS_MAX:
+        raise ValueError(f"NIXL_PUT of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
+    flags, prefix = _ns_and_agent_bytes(msg)
+    flags |= FLAG_DURABLE if msg.durable else 0
+    meta = prefix + b"".join(SOURCE.pack(_key(k), len(e)) for k, e in zip(msg.keys, msg.extents)) + b"".join(
+        EXTENT.pack(address, length) for extents in msg.extents for address, length in extents)
+    return Op.NIXL_PUT, flags, msg.request_id, len(msg.keys), meta, [], 0
 
 
 def _encode_extents(msg: m.NixlGet) -> bytes:
@@ -261,4 +333,7 @@ ENCODERS = {
                                       [], 0),
     m.NixlGet: _encode_get,
     m.NixlGetReply: _encode_get_reply,
+    m.NixlPut: _encode_put,
+    m.NixlPutReply: lambda msg: (Op.NIXL_PUT | m.REPLY_BIT, 0, msg.request_id, len(msg.seqs),
+                                 struct.pack(f"<{len(msg.seqs)}Q", *msg.seqs), [], 0),
 }

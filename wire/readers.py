@@ -346,5 +346,5 @@ REPLY_DECODERS: dict[int, Decoder] = {
     Op.PING: (_meta_ping, lambda h, p, _: m.PingReply(h.request_id, p)),
     Op.ERROR: (_meta_error, lambda h, p, _: m.ErrorReply(h.request_id, h.status, p)),
 }
-REQUEST_DECODERS.update(nixl_frames.REQUEST_DECODERS)  # NIXL_METADATA, NIXL_GET: kvtier.wire.nixl_frames
+REQUEST_DECODERS.update(nixl_frames.REQUEST_DECODERS)  # NIXL_METADATA, NIXL_GET, NIXL_PUT: kvtier.wire.nixl_frames
 REPLY_DECODERS.update(nixl_frames.REPLY_DECODERS)

@@ -130,7 +130,7 @@ def check_before_hello(head: FrameHead) -> None:
 
 
 # -- the requests a client awaits replies to --------------------------------
-ITEM_REPLY_OPS = frozenset({Op.GET, Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN, Op.NIXL_GET})  # one reply item per request item
+ITEM_REPLY_OPS = frozenset({Op.GET, Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN, Op.NIXL_GET, Op.NIXL_PUT})  # one reply item per request item
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
         return (Op.FLUSH if t is m.Flush else Op.STATS), 0, rid, 0, b"", [], 0
     if t is m.Ping:
         return Op.PING, 0, rid, 0, bytes(msg.data), [], 0
-    if t in nixl_frames.ENCODERS:  # NIXL_METADATA, NIXL_GET and their replies
+    if t in nixl_frames.ENCODERS:  # NIXL_METADATA, NIXL_GET, NIXL_PUT and their replies
         return nixl_frames.ENCODERS[t](msg)
     return _encode_reply(msg)
 
