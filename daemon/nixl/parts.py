@@ -21,10 +21,18 @@ class Part:
     local: list[tuple[int, int]] = field(default_factory=list)  # (address, length) in the daemon's memory
     remote: list[tuple[int, int]] = field(default_factory=list)  # (address, length) in the client's buffer
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (item, offset in its block, length)
+    nbytes: int = 0  # of ``local``'s lengths, kept as pieces are added
 
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, n in self.local)
+    def add(self, item: int, offset: int, address: int, at: int, length: int) -> None:
+        """``length`` bytes of ``item``'s block from ``offset``: at ``address`` here, ``at`` there."""
+        self.local.append((address, length))
+        self.remote.append((at, length))
+        last = self.ranges[-1] if self.ranges else None
+        if last is not None and last[0] == item and last[1] + last[2] == offset:
+            self.ranges[-1] = (item, last[1], last[2] + length)
+        else:
+            self.ranges.append((item, offset, length))
+        self.nbytes += length
 
 
 def plan_parts(items, part_bytes: int = PART_BYTES, ranges_max: int = 4096) -> list[Part]:
@@ -44,12 +52,7 @@ def plan_parts(items, part_bytes: int = PART_BYTES, ranges_max: int = 4096) -> l
                 if not room:
                     at, room = next(remote)
                 take = min(length, room, part_bytes - part.nbytes)
-                part.local.append((address, take))
-                part.remote.append((at, take))
-                if part.ranges and part.ranges[-1][0] == item and sum(part.ranges[-1][1:]) == offset:
-                    part.ranges[-1] = (item, part.ranges[-1][1], part.ranges[-1][2] + take)
-                else:
-                    part.ranges.append((item, offset, take))
+                part.add(item, offset, address, at, take)
                 address, length, offset = address + take, length - take, offset + take
                 at, room = at + take, room - take
                 if part.nbytes >= part_bytes or len(part.ranges) >= ranges_max:
