@@ -47,10 +47,12 @@ from .block_encoder import BlockEncoder, gather_block
 from .block_payload import as_tensor, as_token_list, check_kv, copy_block_into, copy_tensor, layers_of, out_tokens
 from .direct_reader import DirectReader
 from .hot_pool import HotPool
+from .nixl_setup import lent_for_puts
 from .output_buffers import OUTPUT_BUFFERS_BYTES_MAX, LoadOutputs
 from .group_streamer import stream_groups
 from .prefix_load import PrefixLoad
 from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
+from .source_blocks import host_spans
 from .store_pipeline import chunk_bounds, run_pipelined
 from kvtier.common.cluster_url import is_cluster_url
 from kvtier.common.keys import Namespace
@@ -393,8 +395,10 @@ class KVCache(AsyncTwins):
         if not new:
             return 0
         self._keep_hot(new, lambda slot, i: gather_block(kv, self.layout, known + i, slot))
-        return self._store_pipelined(new, lambda s, e: self._encode(kv, known + s, new[s:e], kv_tokens,
-                                                                   from_source=True), durable)
+        with lent_for_puts(self._warm.daemons, host_spans(kv)):  # daemons that READ the blocks where they lie
+            return self._store_pipelined(new, lambda s, e: self._encode(kv, known + s, new[s:e], kv_tokens,
+                                                                       from_source=True), durable)
+
 
     def store_async(self, tokens, kv, durable: bool = False, copy: bool = True) -> Future:
         """Write-behind :meth:`store`: the blocks are copied out of ``kv`` now (the engine

@@ -15,10 +15,12 @@ import functools
 import logging
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Sequence
 
-from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlTransport, NixlUnavailable, nixl_importable
+from .nixl_put_plan import joined_ranges
+from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlFetchFailed, NixlTransport, NixlUnavailable, nixl_importable
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +159,23 @@ class NixlSetup:
             transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
+
+
+def lent_for_puts(daemons, spans) -> ExitStack:
+    """The memory ``spans`` (``(address, length)``: an engine's KV a store sends from) lent to
+    this process's NIXL agent while the returned stack is open, where a daemon takes NIXL_PUT:
+    it then READs the blocks where they lie. Memory NIXL will not register is not lent (the
+    blocks are staged, or go over TCP)."""
+    stack = ExitStack()
+    agents = {}
+    for daemon in daemons:
+        transport = None if daemon.nixl is None else daemon.nixl.ready()
+        if transport is not None and transport.puts:
+            agents[id(transport.agent)] = transport.agent
+    try:
+        for agent in agents.values():
+            for address, nbytes in joined_ranges(spans):
+                stack.enter_context(agent.lend_range(address, nbytes))
+    except NixlFetchFailed as exc:
+        log.warning("event=nixl_lend_failed error=%s", exc)
+    return stack

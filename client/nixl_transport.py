@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -51,10 +51,12 @@ from kvtier.wire import connection as p
 from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.wire.nixl_frames import notification_prefix, parse_part_notification
+from kvtier.wire.payload_pieces import as_bytes_view
 from kvtier.wire.sockets import receive_some, sendmsg_all
 
 from .block_client import _exported
 from .nixl_arrivals import ArrivingBlocks
+from .nixl_put_plan import PutFrame, RegisteredMemory, plan_put
 from .scatter_plan import Landing, LandedBlock
 
 log = logging.getLogger("kvtier.client.nixl")
@@ -146,7 +148,13 @@ class ClientAgent:
     def lend(self, region: memoryview):
         """``region`` (the caller's memory: an engine's KV) registered, and declared with the others,
         while the block runs; a second lender of the same region shares its registration."""
-        key = (buffer_address(region), region.nbytes)
+        with self.lend_range(buffer_address(region), region.nbytes):
+            yield
+
+    @contextmanager
+    def lend_range(self, address: int, nbytes: int):
+        """:meth:`lend` of the ``nbytes`` at ``address`` (memory the caller keeps alive meanwhile)."""
+        key = (int(address), int(nbytes))
         with self._lock:
             if key not in self._lent:
                 try:
@@ -236,6 +244,11 @@ class NixlStatistics:
     corrupt_blocks: int  # blocks that failed verification (went to TCP)
     notification_timeouts: int
     blocks_in_place: int = 0  # of ``blocks``, written straight into the caller's memory (a landing's views)
+    puts: int = 0  # NIXL_PUTs answered (the daemon READ their blocks)
+    put_blocks: int = 0
+    put_bytes: int = 0
+    put_bytes_staged: int = 0  # of ``put_bytes``, copied into a registered buffer first (not in lent memory)
+    puts_refused: int = 0  # NIXL_PUTs the daemon answered with an error (their blocks went to TCP)
 
 
 class ControlChannel:
@@ -315,7 +328,7 @@ class NixlTransport:
         self._closed = False
         self._daemon_agent: str | None = None
         self._counts = dict(requests=0, blocks=0, bytes=0, refused=0, corrupt_blocks=0, notification_timeouts=0,
-                            blocks_in_place=0)
+                            blocks_in_place=0, puts=0, put_blocks=0, put_bytes=0, put_bytes_staged=0, puts_refused=0)
         first = self._open_channel()  # fails now, not on the first GET, where NIXL or the daemon cannot
         try:
             peer = first.sock.getpeername()[0]
@@ -325,6 +338,8 @@ class NixlTransport:
             # a WRITE over TCP is emulated in software and moves only while we progress: poll without
             # pause; shared memory and RDMA land without us, so wait on the socket and look now and then
             self._poll_s = 0.0 if self.transport == "tcp" else PROGRESS_POLL_S
+            self._puts = m.FEATURE_NIXL_PUT in first.info.get("features", ())
+            self._limits = {**asdict(m.DEFAULT_LIMITS), **first.info.get("limits", {})}
             self._declare(first)
         except BaseException:
             first.close()
@@ -440,6 +455,56 @@ class NixlTransport:
                 raise NixlFetchFailed(f"the NIXL notifications of request {ch.last_request_id} did not cover its "
                                       f"blocks within {NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
             os.sched_yield()
+
+    @property
+    def puts(self) -> bool:
+        """Whether the daemon answers NIXL_PUT (HELLO feature ``nixl_put``)."""
+        return self._puts
+
+    def put_many(self, items, durable: bool = False, ns_id: bytes | None = None) -> list[int]:
+        """PUT ``(key, block)`` items (a block: bytes-like or :class:`~kvtier.wire.events.BlockParts`)
+        by having the daemon READ them: in place where they lie in memory this agent registered
+        (:meth:`ClientAgent.lend_range`), through a staging buffer otherwise. Their seqs, as
+        ``BlockClient.put_many``'s. NixlFetchFailed: refused or failed (PUT them over TCP)."""
+        keys = [bytes(k) for k, _ in items]
+        blocks = [[as_bytes_view(part) for part in (b if isinstance(b, m.BlockParts) else (b,))] for _, b in items]
+        addresses = [[buffer_address(piece) if piece.nbytes else 0 for piece in pieces] for pieces in blocks]
+        limits = self._limits
+        frames = plan_put(blocks, addresses, RegisteredMemory(self.agent.regions()), limits["payload_bytes_max"],
+                          limits["batch_count_max"], limits["meta_bytes_max"])
+        seqs: list[int] = []
+        ch = self._take_channel()
+        try:
+            for frame in frames:
+                seqs += self._put_frame(ch, frame, [keys[i] for i in frame.indexes], durable, ns_id)
+        except NixlFetchFailed:
+            raise  # the connection serves on
+        except BaseException:
+            ch.close()
+            ch = None
+            raise
+        finally:
+            self._give_channel(ch)
+        return seqs
+
+    def _put_frame(self, ch: ControlChannel, frame: PutFrame, keys: list[bytes], durable: bool, ns_id) -> list[int]:
+        staging = self.agent.take_buffer(frame.staged_bytes) if frame.staged_bytes else None
+        if frame.staged_bytes and staging is None:
+            raise NixlFetchFailed("every NIXL staging buffer is in use")
+        for at, piece in frame.staged:
+            staging[at:at + piece.nbytes] = piece
+        self._declare(ch)  # a buffer registered or memory lent since: the daemon must know it first
+        extents = frame.resolved(buffer_address(staging) if staging is not None else 0)
+        try:
+            reply = ch.exchange(m.NixlPut(0, tuple(keys), self.agent.name, extents, durable, ns_id),
+                                while_waiting=self.agent.progress, poll_s=self._poll_s)
+        except p.RemoteError as exc:
+            self._count(puts_refused=1)
+            raise NixlFetchFailed(f"NIXL_PUT refused by the daemon: {exc}") from None
+        finally:
+            del staging
+        self._count(puts=1, put_blocks=len(keys), put_bytes=frame.nbytes, put_bytes_staged=frame.staged_bytes)
+        return list(reply.seqs)
 
     def _verified(self, arriving: ArrivingBlocks, item: int, length: int, key: bytes, seq: int):
         try:

@@ -103,3 +103,16 @@ def _sealed(keys: Sequence[bytes], rows_of, ns_id: bytes, codec_id: int, codec_h
         head = header_for_crc(bytes(key), ns_id, codec_id, payload_len, crc)
         blocks.append(BlockParts((head + codec_header, *rows)))
     return SourceBlocks(blocks)
+
+
+def host_spans(kv: Sequence) -> list[tuple[int, int]]:
+    """``(address, length)`` of the memory each host tensor of ``kv`` (per-layer ``(k, v)``, or
+    block tensors) spans, from its first element to its last."""
+    spans = []
+    for item in kv:
+        for tensor in (item if isinstance(item, (tuple, list)) else (item,)):
+            if getattr(tensor, "device", None) is None or tensor.device.type != "cpu" or not tensor.numel():
+                continue
+            last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+            spans.append((tensor.data_ptr(), (last + 1) * tensor.element_size()))
+    return spans

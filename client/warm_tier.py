@@ -299,6 +299,18 @@ class WarmTier:
                 return blocks
             self._repairs.submit(nbytes, len(idx), put)
 
+    def _put_to(self, daemon: Daemon, items: list, durable: bool) -> None:
+        """PUT through NIXL where the daemon takes it (it READs the blocks from our memory), else,
+        or when that fails, over TCP."""
+        nixl = None if daemon.nixl is None else daemon.nixl.ready()
+        if nixl is not None and nixl.puts:
+            try:
+                nixl.put_many(items, durable=durable)
+                return
+            except (NixlFetchFailed, p.ClientError, OSError) as exc:
+                log.warning("event=nixl_put_failed daemon=%s blocks=%d error=%s", daemon.address, len(items), exc)
+        daemon.client.put_many(items, durable=durable)
+
     def _fetch_from(self, daemon: Daemon, keys: list[bytes], prefix_only: bool, landing: Landing | None = None):
         """(objects, transport name per object, fallbacks) from one daemon."""
         blocks: list = [None] * len(keys)
@@ -441,7 +453,7 @@ class WarmTier:
             def put(j: int) -> int:
                 idx = sorted(per_owner[j])
                 items = [(group_keys[g][i], objects[g][i]) for i in idx for g in range(len(objects))]
-                batch.call(j, lambda d: d.client.put_many(items, durable=durable))
+                batch.call(j, lambda d: self._put_to(d, items, durable))
                 return sum(view.nbytes for _, view in items)
             owners = list(per_owner)
             futures = {j: self._puts.submit(put, j) for j in owners[1:]}

@@ -62,6 +62,7 @@ class Allocator:
         self.open = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
         # a full region is written by the sealer thread from its image while appends fill the spare
         self._spare: OpenRegion | None = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
+        self.image_buffers = (self.open.buffer, self._spare.buffer)  # the two images trade places, never change
         self.sealing: tuple[OpenRegion, list, Future | None] | None = None
         self._header_write: tuple[list, Future] | None = None  # a region header queued behind the seal
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")

@@ -291,6 +291,10 @@ class Engine:
     def abort_put(self, reservation: Reservation) -> None:
         self._in_place.abort(reservation)
 
+    def put_images(self) -> tuple[memoryview, memoryview]:
+        """The two open-region images every reservation's view lies in (for the engine's life)."""
+        return self._allocator.image_buffers
+
     # -- get: one driver (get_driver.GetDriver) behind every form ---------------
     def get(self, key) -> bytes | None:
         """The whole verified block, or None (absent or failed verification)."""

@@ -1,5 +1,5 @@
 """kvtierd's NIXL agent: the UCX backend, the daemon's registered read buffers, the client peers,
-and WRITEs into a client's descriptors.
+WRITEs into a client's descriptors and READs of a client's blocks.
 
 The daemon is the initiator of every transfer, so its agent runs no progress
 thread: the connection thread that posted a WRITE polls it to completion (the
@@ -77,6 +77,8 @@ class AgentStatistics:
     device_memory_bytes: int
     writes: int
     bytes_written: int
+    reads: int  # NIXL_PUTs' READs of client memory
+    bytes_read: int
     failures: int
     timeouts: int
 
@@ -103,7 +105,7 @@ class DaemonAgent:
         self._in_use: dict[tuple[int, int], int] = {}
         self._fixed: dict[tuple[int, int], tuple[object, object]] = {}  # registered for the agent's life
         self._peers: dict[str, int] = {}  # remote agent -> sessions that loaded it
-        self._writes = self._bytes_written = self._failures = self._timeouts = 0
+        self._writes = self._bytes_written = self._reads = self._bytes_read = self._failures = self._timeouts = 0
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -184,14 +186,20 @@ class DaemonAgent:
             total -= key[1]
 
     # -- transfers ------------------------------------------------------------
-    def transfer(self, peer: str, request_id: int) -> "Transfer":
-        """The WRITEs of one NIXL_GET to ``peer``: posted part by part, then waited for."""
-        return Transfer(self, peer, request_id)
+    def transfer(self, peer: str, request_id: int, op: str = "WRITE") -> "Transfer":
+        """The WRITEs of one NIXL_GET to ``peer`` (or with ``op="READ"`` the READs of one NIXL_PUT
+        from it, not notified): posted part by part, then waited for."""
+        return Transfer(self, peer, request_id, op)
 
-    def _count(self, writes: int = 0, nbytes: int = 0, failures: int = 0, timeouts: int = 0) -> None:
+    def _count(self, op: str = "WRITE", transfers: int = 0, nbytes: int = 0, failures: int = 0,
+               timeouts: int = 0) -> None:
         with self._lock:
-            self._writes += writes
-            self._bytes_written += nbytes
+            if op == "WRITE":
+                self._writes += transfers
+                self._bytes_written += nbytes
+            else:
+                self._reads += transfers
+                self._bytes_read += nbytes
             self._failures += failures
             self._timeouts += timeouts
 
@@ -200,17 +208,20 @@ class DaemonAgent:
             return AgentStatistics(self.name, self.plan.name, self.plan.tls, len(self._peers), len(self._registered),
                                    sum(k[1] for k in self._registered), len(self._fixed),
                                    sum(k[1] for k in self._fixed), self._writes, self._bytes_written,
-                                   self._failures, self._timeouts)
+                                   self._reads, self._bytes_read, self._failures, self._timeouts)
 
 
 class Transfer:
     """The WRITEs of one NIXL_GET, posted part by part as their bytes are ready, each notified to the
-    peer when it is done (:func:`~kvtier.wire.nixl_frames.part_notification`). Leaving the ``with``
-    block releases every handle, and the buffers registered for it once none is still in flight."""
+    peer when it is done (:func:`~kvtier.wire.nixl_frames.part_notification`); or the READs of one
+    NIXL_PUT (``op="READ"``: ``local`` is where the bytes land, ``remote`` where they are read, and
+    nothing is notified). Leaving the ``with`` block releases every handle, and the buffers
+    registered for it once none is still in flight."""
 
-    def __init__(self, agent: DaemonAgent, peer: str, request_id: int):
+    def __init__(self, agent: DaemonAgent, peer: str, request_id: int, op: str = "WRITE"):
+        assert op in ("WRITE", "READ"), op
         self._owner, self._agent = agent, agent._agent
-        self._peer, self._request_id = peer, request_id
+        self._peer, self._request_id, self._op = peer, request_id, op
         self._handles: list = []
         self._keys: list = []
         self._bytes = 0
@@ -228,16 +239,21 @@ class Transfer:
             for part in parts:
                 local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.local], "DRAM")
                 remote_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.remote], "DRAM")
-                self._handles.append(self._agent.initialize_xfer(
-                    "WRITE", local_descs, remote_descs, self._peer, part_notification(self._request_id, part.ranges)))
+                notification = part_notification(self._request_id, part.ranges) if self._op == "WRITE" else b""
+                self._handles.append(self._agent.initialize_xfer(self._op, local_descs, remote_descs, self._peer,
+                                                                 notification))
                 state = self._agent.transfer(self._handles[-1])
                 if state not in ("PROC", "DONE"):
                     raise RuntimeError(f"state {state}")
                 self._bytes += part.nbytes
         except Exception as exc:
             self._owner._count(failures=1)
-            raise NixlTransferError(f"NIXL WRITE to {self._peer} could not be posted: {type(exc).__name__}: {exc}") \
-                from None
+            raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} could not be posted: "
+                                    f"{type(exc).__name__}: {exc}") from None
+
+    @property
+    def _direction(self) -> str:
+        return "to" if self._op == "WRITE" else "from"
 
     def wait(self) -> None:
         """Until every part posted is DONE (NixlTransferError: one failed, or not all were done within
@@ -248,16 +264,17 @@ class Transfer:
             states = [self._agent.check_xfer_state(h) for h in pending]
             if any(state not in ("PROC", "DONE") for state in states):
                 self._owner._count(failures=1)
-                raise NixlTransferError(f"NIXL WRITE to {self._peer} failed (states {sorted(set(states))})")
+                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} failed "
+                                        f"(states {sorted(set(states))})")
             pending = [h for h, state in zip(pending, states) if state == "PROC"]
             if pending:
                 if time.monotonic() > deadline:
                     self._owner._count(timeouts=1)
-                    raise NixlTransferError(f"NIXL WRITE to {self._peer} not done within {self._owner._timeout_s} s "
-                                            "(TRANSFER_TIMEOUT_S)", timed_out=True)
+                    raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} not done within "
+                                            f"{self._owner._timeout_s} s (TRANSFER_TIMEOUT_S)", timed_out=True)
                 os.sched_yield()  # a busy machine: let the peer (and its progress) run between polls
         if self._handles:
-            self._owner._count(writes=1, nbytes=self._bytes)
+            self._owner._count(self._op, transfers=1, nbytes=self._bytes)
 
     def __exit__(self, *exc_info) -> None:
         released = True

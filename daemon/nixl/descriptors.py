@@ -1,4 +1,5 @@
-"""Where a NIXL_GET may write (pure, no I/O): a client's declared regions and its descriptors.
+"""Where a NIXL_GET may write and a NIXL_PUT may read (pure, no I/O): a client's declared regions
+and its descriptors.
 
 A client declares the regions it registered with its NIXL agent (NIXL_METADATA);
 every descriptor of a NIXL_GET must lie inside one of them, not overlap another
@@ -48,15 +49,18 @@ class ClientRegions:
         return address + length <= start + size
 
 
-def check_descriptors(regions: ClientRegions, descriptors: Sequence[tuple[int, int]], what: str = "descriptor") -> None:
+def check_descriptors(regions: ClientRegions, descriptors: Sequence[tuple[int, int]], what: str = "descriptor",
+                      overlap_ok: bool = False) -> None:
     """Every descriptor (or scatter extent: ``what``) inside a region, none empty, none overlapping
-    another (DescriptorError)."""
+    another unless ``overlap_ok`` (the extents a NIXL_PUT reads from) (DescriptorError)."""
     for index, (address, capacity) in enumerate(descriptors):
         if capacity <= 0:
             raise DescriptorError(f"{what} {index}: capacity of {capacity} bytes")
         if not regions.contains(address, capacity):
             raise DescriptorError(f"{what} {index}: {capacity} bytes at {address:#x} are outside every region "
                                   f"this connection declared ({len(regions)} regions)")
+    if overlap_ok:
+        return
     ordered = sorted(range(len(descriptors)), key=lambda i: descriptors[i][0])
     for before, after in zip(ordered, ordered[1:]):
         if descriptors[before][0] + descriptors[before][1] > descriptors[after][0]:

@@ -1,4 +1,5 @@
-"""Answers NIXL_METADATA and NIXL_GET: the blocks of a GET WRITten into a client's descriptors.
+"""Answers NIXL_METADATA and NIXL_GET: the blocks of a GET WRITten into a client's descriptors
+(and NIXL_PUT: :mod:`kvtier.daemon.nixl.puts`).
 
 NIXL_METADATA loads the client's agent and records the regions it registered
 (the connection's :class:`NixlPeer`); the reply is the daemon's agent metadata.
@@ -26,6 +27,7 @@ from kvtier.wire import connection as p
 from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.daemon.nixl.parts import plan_parts
+from kvtier.daemon.nixl.puts import NixlPuts, PutRefused
 
 log = logging.getLogger("kvtier.daemon.nixl")
 
@@ -52,6 +54,8 @@ class NixlService:
         self._stats = None
         self._engine = None
         self._memory_registered: bool | None = None  # the devices' memory registered (None: not tried yet)
+        self._put_parts = None
+        self._puts: NixlPuts | None = None  # made on the first NIXL_PUT
         self._blocks_from_memory = 0
         self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvtier-nixl-read")
 
@@ -79,15 +83,21 @@ class NixlService:
         if self._agent is None:
             return {}
         with self._lock:
-            return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory}
+            puts = {} if self._puts is None else {"put_blocks_in_place": self._puts.in_place,
+                                                  "put_blocks_copied": self._puts.copied}
+            return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory, **puts}
 
-    def bind(self, gets, stats, engine=None) -> None:
-        """The data server's GET replies, statistics recorder and engine (RequestHandler.attach_nixl)."""
+    def bind(self, gets, stats, engine=None, buffers=None, limits: p.Limits | None = None) -> None:
+        """The data server's GET replies, statistics recorder, engine, request buffers and limits
+        (RequestHandler.attach_nixl); NIXL_PUT is answered once all are given."""
         self._gets, self._stats, self._engine = gets, stats, engine
+        self._put_parts = None if engine is None or buffers is None or limits is None else (engine, buffers, limits)
 
     def handle(self, msg, session):
         if isinstance(msg, m.NixlMetadata):
             return self._metadata(msg, session)
+        if isinstance(msg, m.NixlPut):
+            return self._put(msg, session)
         return self._get(msg, session)
 
     def connection_closed(self, session) -> None:
@@ -118,13 +128,40 @@ class NixlService:
                  regions.total_bytes)
         return m.NixlMetadataReply(msg.request_id, agent.metadata())
 
-    def _get(self, msg: m.NixlGet, session):
+    def _peer_refusal(self, msg, session, op: str):
+        """The refusal of a request this connection's peer cannot make (None: it may)."""
         peer: NixlPeer | None = session.nixl
         if peer is None:
-            return self._refuse(msg, p.ErrorCode.BAD_REQUEST, "NIXL_GET before NIXL_METADATA on this connection")
+            return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"{op} before NIXL_METADATA on this connection")
         if msg.agent_name != peer.agent_name:
-            return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET names agent {msg.agent_name!r}; this "
+            return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"{op} names agent {msg.agent_name!r}; this "
                                 f"connection loaded {peer.agent_name!r}")
+        return None
+
+    def _put(self, msg: m.NixlPut, session):
+        if self._put_parts is None:
+            return self._refuse(msg, p.ErrorCode.UNKNOWN_OP, "this daemon does not answer NIXL_PUT")
+        if (refusal := self._peer_refusal(msg, session, "NIXL_PUT")) is not None:
+            return refusal
+        with self._lock:
+            if self._puts is None:
+                self._puts = NixlPuts(self._agent, *self._put_parts)
+        try:
+            lengths = self._puts.check(msg, session.nixl.regions)
+        except PutRefused as exc:
+            return self._refuse(msg, exc.code, f"NIXL_PUT refused, nothing read or stored: {exc}")
+        try:
+            seqs = self._puts.put(msg, session.nixl.agent_name, lengths, session)
+        except NixlTransferError as exc:
+            log.warning("event=nixl_read_failed peer=%s agent=%s error=%s", session.peer, msg.agent_name, exc)
+            code = p.ErrorCode.TIMEOUT if exc.timed_out else p.ErrorCode.INTERNAL
+            return self._refuse(msg, code, f"{exc}; nothing stored")
+        return m.NixlPutReply(msg.request_id, tuple(seqs))
+
+    def _get(self, msg: m.NixlGet, session):
+        if (refusal := self._peer_refusal(msg, session, "NIXL_GET")) is not None:
+            return refusal
+        peer: NixlPeer = session.nixl
         try:
             if msg.extents is None:
                 check_descriptors(peer.regions, msg.descriptors)

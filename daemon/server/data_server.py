@@ -70,11 +70,12 @@ class DataServer:
         self._handler.extra_features.append(name)
 
     def attach_nixl(self, service) -> None:
-        """Answer NIXL_METADATA / NIXL_GET with ``service`` (kvtier.daemon.nixl) and list "nixl" in HELLO's
-        ``features``; before :meth:`start`."""
-        from kvtier.wire.events import FEATURE_NIXL
+        """Answer NIXL_METADATA / NIXL_GET / NIXL_PUT with ``service`` (kvtier.daemon.nixl) and list "nixl"
+        and "nixl_put" in HELLO's ``features``; before :meth:`start`."""
+        from kvtier.wire.events import FEATURE_NIXL, FEATURE_NIXL_PUT
         self._handler.attach_nixl(service)
         self.add_feature(FEATURE_NIXL)
+        self.add_feature(FEATURE_NIXL_PUT)
 
     def set_upstream(self, pull_through) -> None:
         """Answer LOOKUP and GET misses from an upstream (``kvtier.daemon.upstream.PullThrough``);

@@ -26,7 +26,7 @@ from kvtier.daemon.server.session import Session
 from kvtier.daemon.upstream.client import CLIENT_NAME as UPSTREAM_CLIENT_NAME
 from kvtier.wire import connection as p
 from kvtier.wire.writers import location_records
-from kvtier.wire.events import NixlGet, NixlMetadata
+from kvtier.wire.events import NixlGet, NixlMetadata, NixlPut
 
 log = logging.getLogger("kvtier.daemon.server")
 
@@ -59,7 +59,7 @@ class RequestHandler:
             p.Hello: self._hello, p.Lookup: self._lookup, p.Get: self._get, p.Put: self._put,
             p.Delete: self._delete, p.Pin: self._pin, p.Unpin: self._unpin, p.Flush: self._flush,
             p.Stats: self._stats_reply, p.Ping: self._ping,
-            NixlMetadata: self._nixl, NixlGet: self._nixl,
+            NixlMetadata: self._nixl, NixlGet: self._nixl, NixlPut: self._nixl,
         }
 
     def handle(self, msg, session: Session):
@@ -242,8 +242,9 @@ class RequestHandler:
         return p.PingReply(msg.request_id, msg.data), False
 
     def attach_nixl(self, service) -> None:
-        """Answer NIXL_METADATA / NIXL_GET with ``service`` (GETs read as :meth:`_get` reads them)."""
-        service.bind(self._gets, self._stats, self._engine)
+        """Answer NIXL_METADATA / NIXL_GET / NIXL_PUT with ``service`` (GETs read as :meth:`_get` reads
+        them, PUTs stored as :meth:`_put` stores them)."""
+        service.bind(self._gets, self._stats, self._engine, self.buffers, self._limits)
         self.nixl = service
 
     def _nixl(self, msg, session: Session, token):
