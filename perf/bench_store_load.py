@@ -25,9 +25,10 @@ after the other, so the references share the disk and the hour:
    page cache dropped, read. Same byte count as the stores.
 4. iperf3 on loopback, as many streams as KVCache's GET streams.
 
-Where NIXL is installed, step 1 also loads every request through ``transport="nixl"``
-(shared memory; the daemon writes each block into the output's rows), page cache dropped
-and kvtierd restarted before.
+Where NIXL is installed, step 1 also stores every request again, under a second namespace,
+through ``transport="nixl"`` (the daemon READs each block from the request's KV over shared
+memory), and loads every request through it (the daemon writes each block into the output's
+rows), page cache dropped and kvtierd restarted before.
 
 Writes perf/results/<UTC date>/store_load.json and prints a table; every
 kvtier figure is also a ratio to min(fio, iperf3) and to LMCache of this run.
@@ -148,7 +149,7 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
     ns = Namespace("llama-3-8b-bench", layout)
     assert layout.block_raw_bytes == 32 * MiB
     request_bytes = request_tokens // BLOCK_TOKENS * layout.block_raw_bytes
-    device_size = f"{max(512, 2 * (total + request_bytes) // DEVICES // MiB)}m"  # half full after the stores
+    device_size = f"{max(512, 3 * (total + request_bytes) // DEVICES // MiB)}m"  # 2/3 full after both stores
     nixl = importlib.util.find_spec("nixl_cu12") is not None
     d = start_kvtierd(work, "--device-size", device_size, "--region-size", REGION_SIZE, "--stripe-size", "1m",
                       "--nixl", "on" if nixl else "off", env={**os.environ, **NIXL_LOOPBACK})
@@ -156,16 +157,11 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
         reqs = [make_request(SEED, i, request_tokens, LAYERS, KV_HEADS, HEAD_DIM) for i in range(requests)]
         warmup = make_request(SEED, requests, request_tokens, LAYERS, KV_HEADS, HEAD_DIM)  # other tokens, untimed
         warm_out = torch.zeros(LAYERS, 2, 1, KV_HEADS, request_tokens, HEAD_DIM, dtype=torch.float16)
-        progress(f"kvtier: store {requests} x {request_tokens} tokens ({total / GiB:.2f} GiB), durable "
-                 "(after one untimed request)")
-        store = Meter()
-        with KVCache(ns, d.data_addr, hot_pool_bytes=0, transport="tcp", pool_size=KVCACHE_STREAMS) as cache:
-            cache.store(*warmup, durable=True)  # the daemon's and the client's buffers touched once, as in service
-            for tokens, kv in reqs:
-                with store(d.pid):
-                    written = cache.store(tokens, kv, durable=True)
-                assert written == request_tokens // BLOCK_TOKENS, f"stored {written} blocks"
-        progress(f"kvtier: stored {total / store.wall_s / 1e9:.2f} GB/s; drop page cache, restart kvtierd")
+        store = store_all(d, ns, reqs, warmup, total, "tcp")
+        # the same requests again under another namespace (other keys), the daemon READing them from our memory
+        store_nixl = store_all(d, Namespace("llama-3-8b-bench-nixl", layout), reqs, warmup, total, "nixl") \
+            if nixl else None
+        progress("kvtier: drop page cache, restart kvtierd")
         drop_page_cache()
         d.restart()
         load = Meter()
@@ -204,15 +200,39 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
         cpu = {"store": per_gib(store), "load": per_gib(load), "load_direct": per_gib(direct)}
         if by_nixl is not None:
             cpu["load_nixl"] = per_gib(by_nixl)
+            cpu["store_nixl"] = per_gib(store_nixl)
         return {"bytes": total, "blocks": total // layout.block_raw_bytes, "device_size": device_size,
                 "devices": DEVICES, "region_size": REGION_SIZE, "transport": "tcp", "hot_pool_bytes": 0,
                 "store_bytes_per_s": total / store.wall_s, "load_bytes_per_s": total / load.wall_s,
+                "store_nixl_bytes_per_s": None if store_nixl is None else total / store_nixl.wall_s,
                 "load_direct_bytes_per_s": total / direct.wall_s,
                 "load_nixl_bytes_per_s": None if by_nixl is None else total / by_nixl.wall_s,
                 "cpu_s_per_gib": cpu,
                 "lookup_us": lookup["tokens"], "lookup_keys_us": lookup["keys"], "bytes_checked": True}
     finally:
         d.stop()
+
+
+def store_all(d, ns, reqs, warmup, total: int, transport: str):
+    """Every request stored durably through ``transport``, after one untimed request of other tokens."""
+    from kvtier.client.kvcache import KVCache
+
+    progress(f"kvtier: store {len(reqs)} requests ({total / GiB:.2f} GiB) through {transport}, durable "
+             "(after one untimed request)")
+    meter = Meter()
+    with KVCache(ns, d.data_addr, hot_pool_bytes=0, transport=transport, pool_size=KVCACHE_STREAMS) as cache:
+        if transport == "nixl" and not cache.wait_nixl_ready(NIXL_READY_TIMEOUT_S):
+            raise RuntimeError(f"the nixl transport was not ready within {NIXL_READY_TIMEOUT_S} s")
+        cache.store(*warmup, durable=True)  # the daemon's and the client's buffers touched once, as in service
+        for tokens, kv in reqs:
+            with meter(d.pid):
+                written = cache.store(tokens, kv, durable=True)
+            assert written == len(tokens) // BLOCK_TOKENS, f"stored {written} blocks"
+        if transport == "nixl":
+            puts = [dm.nixl.ready().statistics() for dm in cache._warm.daemons]
+            assert all(s.put_blocks >= written * len(reqs) for s in puts), f"blocks not PUT through NIXL: {puts}"
+    progress(f"kvtier: stored through {transport} {total / meter.wall_s / 1e9:.2f} GB/s")
+    return meter
 
 
 def load_by_nixl(d, ns, reqs, outs, total: int, warmup):
@@ -345,6 +365,8 @@ def bench_iperf3(streams: int, seconds: int, children: list) -> dict:
 def ratios(r: dict) -> dict:
     k, fio, ip = r["kvtier"], r["fio"], r["iperf3"]["bytes_per_s"]
     out = {"store_vs_min_fio_write_iperf3": k["store_bytes_per_s"] / min(fio["write"]["bytes_per_s"], ip),
+           **({} if k.get("store_nixl_bytes_per_s") is None else
+              {"store_nixl_vs_fio_write": k["store_nixl_bytes_per_s"] / fio["write"]["bytes_per_s"]}),
            "load_vs_min_fio_read_iperf3": k["load_bytes_per_s"] / min(fio["read"]["bytes_per_s"], ip),
            "load_direct_vs_fio_read": k["load_direct_bytes_per_s"] / fio["read"]["bytes_per_s"],
            **({} if k.get("load_nixl_bytes_per_s") is None else
@@ -359,6 +381,8 @@ def ratios(r: dict) -> dict:
             # own completion without fsync
             "store_vs_lmcache_durable": k["store_bytes_per_s"] / lm["store_durable_bytes_per_s"],
             "store_vs_lmcache": k["store_bytes_per_s"] / lm["store_bytes_per_s"],
+            **({} if k.get("store_nixl_bytes_per_s") is None else
+               {"store_nixl_vs_lmcache_durable": k["store_nixl_bytes_per_s"] / lm["store_durable_bytes_per_s"]}),
             "load_vs_lmcache": k["load_bytes_per_s"] / lm["load_bytes_per_s"],
             "load_direct_vs_lmcache": k["load_direct_bytes_per_s"] / lm["load_bytes_per_s"],
             **({} if k.get("load_nixl_bytes_per_s") is None else
@@ -384,6 +408,9 @@ def print_table(r: dict) -> None:
             ("kvtier CPU s/GiB direct load: client / daemon",
              f"{k['cpu_s_per_gib']['load_direct']['client']:6.2f} / {k['cpu_s_per_gib']['load_direct']['daemon']:.2f}"),
             *([] if k.get("load_nixl_bytes_per_s") is None else [
+                ("kvtier store through NIXL (durable, the daemon READs)", gb(k["store_nixl_bytes_per_s"])),
+                ("kvtier CPU s/GiB NIXL store: client / daemon",
+                 f"{k['cpu_s_per_gib']['store_nixl']['client']:6.2f} / {k['cpu_s_per_gib']['store_nixl']['daemon']:.2f}"),
                 ("kvtier load through NIXL (shared memory)", gb(k["load_nixl_bytes_per_s"])),
                 ("kvtier CPU s/GiB NIXL load: client / daemon",
                  f"{k['cpu_s_per_gib']['load_nixl']['client']:6.2f} / {k['cpu_s_per_gib']['load_nixl']['daemon']:.2f}")]),
