@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Callable
 
-from kvtier.common.aligned import aligned_buffer
+from kvtier.common.aligned import align_down, aligned_buffer
 
 from . import regionfmt as fmt
 from .blockmap import BlockMap
@@ -183,10 +183,11 @@ class Allocator:
 
     def _seal_write(self, image: OpenRegion, writes: list, entries_first: list) -> set[int]:
         """On the sealer thread: after any commit still writing older copies of these pages (and
-        ``entries_first`` before the rest)."""
+        ``entries_first`` before the rest), without the prefix those commits wrote."""
         image.wait_io_idle()
         touched = self._array.write_ranges(entries_first) if entries_first else set()
-        return touched | self._array.write_ranges(writes)
+        return touched | self._array.write_ranges(_after(writes, image.region * self._region_size +
+                                                         align_down(image.written_end)))
 
     def reap_seal(self, wait: bool) -> None:
         """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED.
@@ -328,3 +329,13 @@ class Allocator:
     def close(self) -> None:
         """Stop the sealer thread (after the seal in flight, if any, is written)."""
         self._sealer.shutdown(wait=True)
+
+
+def _after(writes: list, start: int) -> list:
+    """``(offset, view)`` writes without their bytes before ``start`` (page aligned)."""
+    out = []
+    for offset, view in writes:
+        skip = min(max(0, start - offset), view.nbytes)
+        if skip < view.nbytes:
+            out.append((offset + skip, view[skip:]))
+    return out

@@ -205,6 +205,8 @@ class Durability:
             array.sync(array.write_ranges([snap.entries]))
         prefix = ([snap.in_place] if snap.in_place is not None else []) + snap.copied
         touched = array.write_ranges(prefix) if prefix else set()
+        if prefix:  # before unpin_io: a seal of this image, waiting for that, then writes only what follows
+            snap.image.written_end = max(snap.image.written_end, snap.data_end)
         if unsynced:
             array.sync()
         elif touched:

@@ -38,6 +38,7 @@ class OpenRegion:
         self.data_end = fmt.REGION_HEADER_BYTES
         self.entry_count = 0
         self.durable_end = 0  # bytes of the prefix known to be on flash and synced
+        self.written_end = 0  # bytes of the prefix a commit has written, synced or not (a seal skips them)
         self.durable_entries = 0  # summary entries known to be on flash and synced
         # entries up to the last one that flags its block (a moved pinned block): until they are durable,
         # no commit may write those blocks without them (Durability._snapshot)
@@ -74,6 +75,7 @@ class OpenRegion:
         self.data_end = fmt.REGION_HEADER_BYTES
         self.entry_count = 0
         self.durable_end = 0
+        self.written_end = 0
         self.durable_entries = 0
         self.flagged_entries = 0
         assert not self.pending_bytes and not self.pending_entries, "a region reset under a reservation"
@@ -177,5 +179,6 @@ class OpenRegion:
             self.buffer[start:end] = bytes(end - start)
             ranges.append((align_down(start), align_up(end)))
         self.data_end, self.entry_count, self.last_seq = data_end, entry_count, last_seq
+        self.written_end = min(self.written_end, data_end)  # blocks placed there next are written anew
         self.flagged_entries = min(self.flagged_entries, entry_count)
         return ranges
