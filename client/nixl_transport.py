@@ -404,8 +404,7 @@ class NixlTransport:
         extents = [tuple((buffer_address(v), v.nbytes) for v in views) for views in destinations]
         results: list = [None] * len(keys)
         pending = list(range(len(keys)))
-        ch = self._take_channel()
-        try:
+        with self._channel() as ch:
             while pending:
                 self._declare(ch)  # a buffer registered since: the daemon must know it first
                 lengths_written = self._get(ch, [keys[i] for i in pending],
@@ -417,15 +416,23 @@ class NixlTransport:
                     if n and n != DEFERRED_LENGTH:
                         results[i] = self._verified(arriving, i, n, keys[i], seqs[i])
                 pending = deferred
+        return results
+
+    @contextmanager
+    def _channel(self):
+        """A control connection for the body: given back after it, or closed when the body raised
+        anything but NixlFetchFailed (a refusal: the connection serves on)."""
+        ch = self._take_channel()
+        try:
+            yield ch
         except NixlFetchFailed:
-            raise  # the connection serves on
+            raise
         except BaseException:
             ch.close()
             ch = None
             raise
         finally:
             self._give_channel(ch)
-        return results
 
     def _get(self, ch: ControlChannel, keys, descriptors, ns_id, arriving: ArrivingBlocks,
              items: list[int], extents=None) -> tuple[int, ...]:
@@ -473,18 +480,9 @@ class NixlTransport:
         frames = plan_put(blocks, addresses, RegisteredMemory(self.agent.regions()), limits["payload_bytes_max"],
                           limits["batch_count_max"], limits["meta_bytes_max"])
         seqs: list[int] = []
-        ch = self._take_channel()
-        try:
+        with self._channel() as ch:
             for frame in frames:
                 seqs += self._put_frame(ch, frame, [keys[i] for i in frame.indexes], durable, ns_id)
-        except NixlFetchFailed:
-            raise  # the connection serves on
-        except BaseException:
-            ch.close()
-            ch = None
-            raise
-        finally:
-            self._give_channel(ch)
         return seqs
 
     def _put_frame(self, ch: ControlChannel, frame: PutFrame, keys: list[bytes], durable: bool, ns_id) -> list[int]:

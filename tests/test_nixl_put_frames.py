@@ -8,21 +8,14 @@ from kvtier.wire import events as m
 from kvtier.wire import frames as f
 from kvtier.wire import nixl_frames as nf
 
+from test_nixl_frames import _feed
+
 K1, K2 = bytes([1]) * 16, bytes([2]) * 16
 NS = b"\x09" * 16
 PUTS = [
     m.NixlPut(3, (K1, K2), "kvtier-client-a", (((0x10000, 64), (0x50000, 2048)), ((0x30000, 100),)), True, NS),
     m.NixlPut(4, (K1,), "b", (((0x10000, 4096),),)),
 ]
-
-
-def _feed(conn, data: bytes, byte_by_byte: bool):
-    events = []
-    for chunk in ([data[i:i + 1] for i in range(len(data))] if byte_by_byte else [data]):
-        conn.receive_data(chunk)
-        while (event := conn.next_event()) is not p.NEED_DATA:
-            events.append(event)
-    return events
 
 
 @pytest.mark.parametrize("byte_by_byte", [False, True])

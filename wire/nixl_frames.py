@@ -167,22 +167,28 @@ def _meta_put(head: FrameHead, meta: bytes, limits: Limits):
         raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT item table of {len(meta) - items_at} bytes does not hold "
                       f"{head.count} items of {SOURCE.size} bytes (16-byte key, u32 extents)")
     items = tuple(SOURCE.iter_unpack(meta[items_at:table_end]))
-    total = sum(count for _, count in items)
-    if total > m.NIXL_EXTENTS_MAX:
-        raise _reject(head, ErrorCode.LIMIT, f"NIXL_PUT of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
-    if len(meta) != table_end + total * EXTENT.size:
-        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT extent table of {len(meta) - table_end} bytes does not "
-                      f"hold {total} extents of {EXTENT.size} bytes (u64 address, u32 length)")
-    flat = list(EXTENT.iter_unpack(meta[table_end:]))
-    extents, at = [], 0
-    for index, (_, count) in enumerate(items):
-        mine = tuple(flat[at:at + count])
-        at += count
+    extents = _extent_lists(head, meta[table_end:], [count for _, count in items], "NIXL_PUT")
+    for index, mine in enumerate(extents):
         if not mine or any(n == 0 for _, n in mine):
-            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT item {index}: {count} extents; a block is one or "
+            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT item {index}: {len(mine)} extents; a block is one or "
                           "more extents of one byte or more")
-        extents.append(mine)
-    return ns, name, tuple(key for key, _ in items), tuple(extents)
+    return ns, name, tuple(key for key, _ in items), extents
+
+
+def _extent_lists(head: FrameHead, table: bytes, counts: list[int], op: str) -> tuple:
+    """``table``: every item's EXTENTs in order, ``counts[i]`` of them for item i; one tuple per item."""
+    total = sum(counts)
+    if total > m.NIXL_EXTENTS_MAX:
+        raise _reject(head, ErrorCode.LIMIT, f"{op} of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
+    if len(table) != total * EXTENT.size:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"{op} extent table of {len(table)} bytes does not "
+                      f"hold {total} extents of {EXTENT.size} bytes (u64 address, u32 length)")
+    flat = list(EXTENT.iter_unpack(table))
+    out, at = [], 0
+    for count in counts:
+        out.append(tuple(flat[at:at + count]))
+        at += count
+    return tuple(out)
 
 
 def _meta_put_reply(head: FrameHead, meta: bytes, limits: Limits):
@@ -203,22 +209,12 @@ def _scatter_extents(head: FrameHead, table: bytes, items) -> tuple:
     if len(table) < counts_end:
         raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET extent counts of {len(table)} bytes for {len(items)} items")
     counts = [c for (c,) in COUNT.iter_unpack(table[:counts_end])]
-    total = sum(counts)
-    if total > m.NIXL_EXTENTS_MAX:
-        raise _reject(head, ErrorCode.LIMIT, f"NIXL_GET of {total} extents is over the limit {m.NIXL_EXTENTS_MAX}")
-    if len(table) != counts_end + total * EXTENT.size:
-        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET extent table of {len(table) - counts_end} bytes does not "
-                      f"hold {total} extents of {EXTENT.size} bytes (u64 address, u32 length)")
-    flat = list(EXTENT.iter_unpack(table[counts_end:]))
-    out, at = [], 0
-    for index, (count, (_, address, capacity)) in enumerate(zip(counts, items)):
-        extents = tuple(flat[at:at + count])
-        at += count
+    lists = _extent_lists(head, table[counts_end:], counts, "NIXL_GET")
+    for index, (extents, (_, address, capacity)) in enumerate(zip(lists, items)):
         if not _extents_match(extents, address, capacity):
-            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET item {index}: {count} extents that do not start at its "
-                          f"descriptor's address {address:#x} or do not add up to its capacity of {capacity} bytes")
-        out.append(extents)
-    return tuple(out)
+            raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_GET item {index}: {len(extents)} extents that do not start "
+                          f"at its descriptor's address {address:#x} or do not add up to its capacity of {capacity} bytes")
+    return lists
 
 
 def _meta_get_reply(head: FrameHead, meta: bytes, limits: Limits):
