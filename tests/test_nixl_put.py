@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -264,3 +268,56 @@ def test_a_block_of_more_pieces_than_one_put_may_name_is_refused_here(daemon):
             transport.put_many([(key, BlockParts(pieces))])
     finally:
         transport.close()
+
+
+STALL_WAIT_S = 20.0  # the daemon's TRANSFER_TIMEOUT_S (5 s) and its log line, with room on a loaded machine
+
+
+def _put_child(addr: str, action: str, keys, lengths) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("nixl_peer_child.py")), addr, action,
+                              NS.hex(), *(f"{k.hex()}:{n}" for k, n in zip(keys, lengths))],
+                             stdout=subprocess.PIPE, env={**os.environ, **LOOPBACK_ENV})
+    line = child.stdout.readline()
+    assert line.startswith(b"sent"), line + child.stdout.read()
+    return child
+
+
+def _still_stores(addr: str, seed: int) -> bool:
+    key = bytes([seed]) * 16
+    block = encode_block(key, NS, 0, os.urandom(1 << 20))
+    with BlockClient(addr) as client:
+        client.put_many([(key, block)], durable=True)
+        return bytes(client.get(key))[64:] == block[64:]
+
+
+def test_a_client_that_dies_mid_put_leaves_nothing_half_stored(daemon):
+    keys = [bytes([0x81, i]) * 8 for i in range(2)]
+    failures = _daemon_nixl(daemon.data_addr).get("failures", 0)
+    child = _put_child(daemon.data_addr, "put-kill", keys, [32 << 20, 32 << 20])
+    assert child.wait(30) == -9
+    deadline = time.monotonic() + STALL_WAIT_S
+    while _daemon_nixl(daemon.data_addr).get("failures", 0) == failures and _stored(daemon.data_addr, keys) < 2:
+        assert time.monotonic() < deadline, "the PUT of the dead client was never answered"
+        time.sleep(0.1)  # a READ that failed, or one that was done before the client died
+    assert _stored(daemon.data_addr, keys) in (0, 2)  # the frame's blocks all or none
+    assert daemon.alive() and _still_stores(daemon.data_addr, 0x82)
+
+
+def test_a_put_whose_read_never_completes_times_out_and_stores_nothing(tmp_path):
+    d = start_nixl_daemon(tmp_path / "kvtierd", "--nixl-tls", "self,tcp")  # a stopped peer stalls a TCP READ
+    child = None
+    try:
+        keys = [bytes([0x83, i]) * 8 for i in range(2)]
+        child = _put_child(d.data_addr, "put-stop", keys, [32 << 20, 32 << 20])
+        deadline = time.monotonic() + STALL_WAIT_S
+        while "not done within" not in d.log_tail(100_000) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "TRANSFER_TIMEOUT_S" in d.log_tail(100_000), d.log_tail()
+        assert _daemon_nixl(d.data_addr)["timeouts"] == 1
+        assert _stored(d.data_addr, keys) == 0
+        assert _still_stores(d.data_addr, 0x84)  # the aborted reservation gave its room back
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+        assert d.stop() == 0, d.log_tail()
