@@ -56,6 +56,11 @@ class RegisteredMemory:
         i = bisect.bisect_right(self._starts, address) - 1
         return i >= 0 and address + length <= self._ranges[i][0] + self._ranges[i][1]
 
+    def touches(self, address: int, length: int) -> bool:
+        """Whether any byte of ``[address, address + length)`` is in a range."""
+        i = bisect.bisect_right(self._starts, address + length - 1) - 1
+        return i >= 0 and self._ranges[i][0] + self._ranges[i][1] > address
+
 
 def plan_put(blocks: Sequence[Sequence], addresses: Sequence[Sequence[int]], registered: RegisteredMemory,
              payload_bytes_max: int, batch_count_max: int, meta_bytes_max: int,

@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -56,7 +56,7 @@ from kvtier.wire.sockets import receive_some, sendmsg_all
 
 from .block_client import _exported
 from .nixl_arrivals import ArrivingBlocks
-from .nixl_put_plan import PutFrame, RegisteredMemory, plan_put
+from .nixl_put_plan import PutFrame, RegisteredMemory, joined_ranges, plan_put
 from .scatter_plan import Landing, LandedBlock
 
 log = logging.getLogger("kvtier.client.nixl")
@@ -68,6 +68,7 @@ DESTINATION_BYTES_MAX = 1 << 30  # all destination buffers of the process togeth
 SLOT_ALIGN_BYTES = 4096  # each block starts on a page of its destination buffer
 NOTES_KEPT_MAX = 4096  # requests whose notifications are kept, waiting to be taken (the oldest go first)
 PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET progresses the agent
+LEND_PIECE_BYTES_MIN = 256 << 10  # a NIXL_PUT piece outside registered memory this large is lent, not copied
 NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
 
 
@@ -471,18 +472,28 @@ class NixlTransport:
     def put_many(self, items, durable: bool = False, ns_id: bytes | None = None) -> list[int]:
         """PUT ``(key, block)`` items (a block: bytes-like or :class:`~kvtier.wire.events.BlockParts`)
         by having the daemon READ them: in place where they lie in memory this agent registered
-        (:meth:`ClientAgent.lend_range`), through a staging buffer otherwise. Their seqs, as
+        (:meth:`ClientAgent.lend_range`; a piece of ``LEND_PIECE_BYTES_MIN`` or more outside it, a
+        send buffer, is lent for the call), through a staging buffer otherwise. Their seqs, as
         ``BlockClient.put_many``'s. NixlFetchFailed: refused or failed (PUT them over TCP)."""
         keys = [bytes(k) for k, _ in items]
         blocks = [[as_bytes_view(part) for part in (b if isinstance(b, m.BlockParts) else (b,))] for _, b in items]
         addresses = [[buffer_address(piece) if piece.nbytes else 0 for piece in pieces] for pieces in blocks]
         limits = self._limits
-        frames = plan_put(blocks, addresses, RegisteredMemory(self.agent.regions()), limits["payload_bytes_max"],
-                          limits["batch_count_max"], limits["meta_bytes_max"])
+        registered = RegisteredMemory(self.agent.regions())
         seqs: list[int] = []
-        with self._channel() as ch:
-            for frame in frames:
-                seqs += self._put_frame(ch, frame, [keys[i] for i in frame.indexes], durable, ns_id)
+        with ExitStack() as lent:
+            large = [(a, piece.nbytes) for pieces, where in zip(blocks, addresses) for piece, a in zip(pieces, where)
+                     if piece.nbytes >= LEND_PIECE_BYTES_MIN and not registered.touches(a, piece.nbytes)]
+            try:
+                for address, nbytes in joined_ranges(large):
+                    lent.enter_context(self.agent.lend_range(address, nbytes))
+            except NixlFetchFailed as exc:  # what is not lent is staged
+                log.info("event=nixl_lend_failed error=%s", exc)
+            frames = plan_put(blocks, addresses, RegisteredMemory(self.agent.regions()),
+                              limits["payload_bytes_max"], limits["batch_count_max"], limits["meta_bytes_max"])
+            with self._channel() as ch:
+                for frame in frames:
+                    seqs += self._put_frame(ch, frame, [keys[i] for i in frame.indexes], durable, ns_id)
         return seqs
 
     def _put_frame(self, ch: ControlChannel, frame: PutFrame, keys: list[bytes], durable: bool, ns_id) -> list[int]:

@@ -46,11 +46,11 @@ def daemon(tmp_path_factory):
     assert d.stop() == 0, d.log_tail()
 
 
-def _kv(tokens: int, seed: int):
+def _kv(tokens: int, seed: int, layout: KVLayout = LAYOUT):
     g = torch.Generator().manual_seed(seed)
-    shape = (1, LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
+    shape = (1, layout.num_kv_heads, tokens, layout.head_dim)
     return [(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
-            for _ in range(LAYOUT.num_layers)]
+            for _ in range(layout.num_layers)]
 
 
 def _ready(cache: KVCache, timeout_s: float = 10.0) -> NixlTransport:
@@ -84,6 +84,24 @@ def test_a_store_through_nixl_is_read_in_place_by_the_daemon(daemon):
     assert after["put_blocks_in_place"] - before.get("put_blocks_in_place", 0) == 5
     assert after["reads"] > before.get("reads", 0)
     with KVCache(Namespace("put-in-place", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+        loaded = cache.load(tokens)
+        assert loaded.num_tokens == len(tokens) and _same(loaded, kv)
+
+
+def test_blocks_in_send_buffers_are_lent_for_their_put_not_copied(daemon):
+    """A write-behind save copies the KV out into send buffers; its PUT lends those for the call."""
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=256)  # 512 KiB
+    tokens = list(range(600, 600 + 256 * 3))
+    kv = _kv(len(tokens), seed=5, layout=layout)
+    with KVCache(Namespace("put-send-buffers", layout), daemon.data_addr, hot_pool_bytes=0,
+                 transport="nixl") as cache:
+        transport = _ready(cache)
+        lent_before = dict(transport.agent._lent)
+        assert cache.store_async(tokens, kv).result(timeout=30) == 3
+        stats = transport.statistics()
+        assert stats.put_blocks == 3 and stats.put_bytes > 3 * layout.block_raw_bytes
+        assert stats.put_bytes_staged == 0  # whole blocks, one send buffer each: lent, nothing copied
+        assert transport.agent._lent == lent_before
         loaded = cache.load(tokens)
         assert loaded.num_tokens == len(tokens) and _same(loaded, kv)
 

@@ -76,3 +76,10 @@ def test_joined_ranges_join_what_overlaps_or_touches():
     assert joined_ranges([(0x3000, 0x1000), (0x1000, 0x1000), (0x2000, 0x1000), (0x2400, 0x100), (0x9000, 0)]) == [
         (0x1000, 0x3000)]
     assert joined_ranges([(0x1000, 0x10), (0x2000, 0x10)]) == [(0x1000, 0x10), (0x2000, 0x10)]
+
+
+def test_registered_memory_knows_what_it_holds_and_what_it_touches():
+    memory = RegisteredMemory([(0x1000, 0x1000), (0x4000, 0x100)])
+    assert memory.holds(0x1000, 0x1000) and not memory.holds(0x1800, 0x1000)
+    assert memory.touches(0x1800, 0x1000) and memory.touches(0x0800, 0x900) and memory.touches(0x3000, 0x1001)
+    assert not memory.touches(0x2000, 0x2000) and not memory.touches(0x0, 0x1000) and not memory.touches(0x4100, 8)
