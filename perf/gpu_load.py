@@ -6,10 +6,12 @@ the Llama-3-8B layout (32 layers, 8 KV heads, head dim 128, fp16, 256-token bloc
   (time to layer 0 ready, and to every layer), bytes compared with what was stored;
 - the reference of the same run: a pinned host-to-device copy of the same bytes
   (``tensor.to("cuda", non_blocking=True)`` from page-locked memory), and the TCP
-  load into host memory (``device="cpu"``).
+  load into host memory (``device="cpu"``);
+- where NIXL is installed, the same store and load through ``transport="nixl"``.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -42,6 +44,32 @@ def _start_daemon(work: Path, pythonpath: Path | None, device_gib: int) -> tuple
             return proc, match.group(1)
     proc.kill()
     raise RuntimeError("kvtierd did not start:\n" + "".join(lines[-20:]))
+
+
+def _through_nixl(kvcache, namespace, address: str, tokens, kv, nbytes: int) -> dict:
+    """The same store from HBM and load into HBM through the nixl transport (the daemon READs the
+    store's blocks, WRITEs the load's), where NIXL is installed; byte-compared."""
+    import torch
+
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return {"nixl": "skipped: NIXL is not installed (pip install 'kvtier[nixl]')"}
+    with kvcache(namespace, address, hot_pool_bytes=0, device="cuda", transport="nixl") as cache:
+        if not cache.wait_nixl_ready(30):
+            return {"nixl": "skipped: the nixl transport was not ready within 30 s"}
+        t0 = time.perf_counter()
+        cache.store(tokens, kv, durable=True)
+        out = {"store_from_hbm_nixl_GBps": nbytes / (time.perf_counter() - t0) / 1e9}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        layers = cache.load(tokens).layers
+        torch.cuda.synchronize()
+        out["load_nixl_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
+        out["load_nixl_bytes_equal"] = all(torch.equal(a, k) and torch.equal(b, v)
+                                           for (a, b), (k, v) in zip(layers, kv))
+        (daemon,) = cache._warm.daemons
+        stats = daemon.nixl.ready().statistics()
+        out.update(nixl_put_blocks=stats.put_blocks, nixl_get_blocks=stats.blocks, nixl_transport=stats.transport)
+    return out
 
 
 def pipelined_load(quick: bool, pythonpath: Path | None) -> dict:
@@ -85,6 +113,8 @@ def pipelined_load(quick: bool, pythonpath: Path | None) -> dict:
                                   start_load_GBps=nbytes / total / 1e9, first_layer_fraction=first / total)
                 report[f"{name}_bytes_equal"] = all(torch.equal(a, k) and torch.equal(b, v)
                                                      for (a, b), (k, v) in zip(layers, kv))
+        report.update(_through_nixl(KVCache, Namespace("gpu-check/llama-3-8b-layout-nixl", layout), address,
+                                    tokens, kv, nbytes))
         with KVCache(namespace, address, hot_pool_bytes=0, device="cpu", transport="tcp") as host_cache:
             t0 = time.perf_counter()
             host_cache.load(tokens)
