@@ -261,7 +261,12 @@ class Transfer:
         deadline = time.monotonic() + self._owner._timeout_s
         pending = list(self._handles)
         while pending:
-            states = [self._agent.check_xfer_state(h) for h in pending]
+            try:
+                states = [self._agent.check_xfer_state(h) for h in pending]
+            except Exception as exc:  # NIXL's own errors (a peer gone): this transfer failed, the daemon serves on
+                self._owner._count(failures=1)
+                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} failed: "
+                                        f"{type(exc).__name__}: {exc}") from None
             if any(state not in ("PROC", "DONE") for state in states):
                 self._owner._count(failures=1)
                 raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} failed "
