@@ -211,9 +211,14 @@ class ClientAgent:
             return memoryview(buf)
 
     def progress(self) -> None:
-        """Progress the agent (transfers into our buffers) and keep the notifications that came."""
+        """Progress the agent (transfers into our buffers) and keep the notifications that came.
+        NixlFetchFailed: NIXL itself failed (the request that waits goes to TCP)."""
         with self._notes_lock:
-            for sender, messages in self._agent.get_new_notifs().items():
+            try:
+                notifications = self._agent.get_new_notifs()
+            except Exception as exc:
+                raise NixlFetchFailed(f"NIXL could not progress: {type(exc).__name__}: {exc}") from None
+            for sender, messages in notifications.items():
                 sender = sender.decode() if isinstance(sender, bytes) else sender
                 for msg in messages:
                     msg = bytes(msg)
