@@ -268,6 +268,7 @@ class ControlChannel:
         self.sock = socket.create_connection((host, port), timeout=setup_timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.conn = p.Connection(p.Role.CLIENT)
+        self.broken = False  # an exchange ended before its reply came
         self.last_request_id = 0
         self.generation = -1  # the agent generation this connection's daemon last loaded
         try:
@@ -302,7 +303,11 @@ class ControlChannel:
             event = self.conn.next_event()
             if event is p.NEED_DATA:
                 while while_waiting is not None and not select.select([self.sock], [], [], poll_s)[0]:
-                    while_waiting()
+                    try:
+                        while_waiting()
+                    except BaseException:
+                        self.broken = True  # its reply is still to come: the connection cannot serve another
+                        raise
                     os.sched_yield()
                     if time.monotonic() > deadline:
                         raise p.ConnectionLost(f"no reply within {self.sock.gettimeout()} s")
@@ -427,11 +432,14 @@ class NixlTransport:
     @contextmanager
     def _channel(self):
         """A control connection for the body: given back after it, or closed when the body raised
-        anything but NixlFetchFailed (a refusal: the connection serves on)."""
+        anything but NixlFetchFailed (a refusal: the connection serves on) or left a reply unread."""
         ch = self._take_channel()
         try:
             yield ch
         except NixlFetchFailed:
+            if ch.broken:
+                ch.close()
+                ch = None
             raise
         except BaseException:
             ch.close()

@@ -106,6 +106,38 @@ def test_blocks_in_send_buffers_are_lent_for_their_put_not_copied(daemon):
         assert loaded.num_tokens == len(tokens) and _same(loaded, kv)
 
 
+def test_a_nixl_error_while_a_put_waits_sends_it_over_tcp_and_drops_that_connection(daemon):
+    """The daemon's READ moves only while the client progresses its agent: the abandoned PUT's READ
+    times out (TRANSFER_TIMEOUT_S) and gives its reservation back; the TCP PUT then stores the blocks."""
+    tokens = list(range(3000, 3000 + 32 * 4))
+    kv = _kv(len(tokens), seed=6)
+    with KVCache(Namespace("put-progress-fault", LAYOUT), daemon.data_addr, hot_pool_bytes=0,
+                 transport="nixl") as cache:
+        transport = _ready(cache)
+        nixl = transport.agent._agent
+        real, faults = nixl.get_new_notifs, []
+
+        def failing_once():  # NIXL's own failure, while the durable PUT's reply is awaited
+            if not faults:
+                faults.append(1)
+                raise RuntimeError("injected NIXL progress fault")
+            return real()
+
+        nixl.get_new_notifs = failing_once
+        try:
+            assert cache.store(tokens, kv, durable=True) == 4
+        finally:
+            del nixl.get_new_notifs
+        assert faults, "the PUT's wait never progressed the agent"
+        assert transport.statistics().put_blocks < 4  # the failed one went over TCP
+        loaded = cache.load(tokens)
+        assert loaded.num_tokens == len(tokens) and _same(loaded, kv)
+        more = list(range(9000, 9000 + 32 * 2))
+        before = transport.statistics().put_blocks
+        assert cache.store(more, _kv(len(more), seed=7), durable=True) == 2
+        assert transport.statistics().put_blocks == before + 2  # NIXL again, on a good connection
+
+
 def test_the_lent_kv_is_given_back_after_the_store(daemon):
     tokens = list(range(900, 900 + 32 * 2))
     kv = _kv(len(tokens), seed=2)
