@@ -5,35 +5,25 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (pip install 'kvtier[nixl]')")
 
-from daemon_proc import start_kvtierd  # noqa: E402
+from nixl_daemon import LOOPBACK_ENV, start_misbehaving_peer, start_nixl_daemon  # noqa: E402
 from kvtier.client import BlockClient  # noqa: E402
 from kvtier.client.nixl_transport import ClientAgent, NixlTransport, buffer_address, ControlChannel  # noqa: E402
 from kvtier.common.blockformat import encode_block  # noqa: E402
-from kvtier.common.ucx_env import rdma_devices  # noqa: E402
 from kvtier.wire import connection as p  # noqa: E402
 from kvtier.wire import events as m  # noqa: E402
 from kvtier.wire.frames import pack_header  # noqa: E402
 from kvtier.wire.frames import DEFERRED_LENGTH  # noqa: E402
 
-LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", **({} if rdma_devices() else {"UCX_MODULES": "^ib*"})}
 os.environ.update(LOOPBACK_ENV)
 NS = b"\x05" * 16
 CANARY = 0xC3
 STALL_WAIT_S = 20.0  # the daemon's TRANSFER_TIMEOUT_S (5 s) and the log line, with room on a loaded machine
-
-
-def start_nixl_daemon(path, *args):
-    return start_kvtierd(path, "--nixl", "on", "--region-size", "64m", "--device-size", "256m", *args,
-                         env={**os.environ, **LOOPBACK_ENV})
 
 
 @pytest.fixture(scope="module")
@@ -269,13 +259,8 @@ def test_metadata_with_a_wrong_token_is_never_read(tmp_path):
         assert d.stop() == 0, d.log_tail()
 
 
-def _start_child(addr: str, action: str, keys, lengths) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("nixl_peer_child.py")), addr, action,
-                              NS.hex(), *(f"{k.hex()}:{n}" for k, n in zip(keys, lengths))],
-                             stdout=subprocess.PIPE, env={**os.environ, **LOOPBACK_ENV})
-    line = child.stdout.readline()
-    assert line.startswith(b"sent"), line + child.stdout.read()
-    return child
+def _start_child(addr: str, action: str, keys, lengths):
+    return start_misbehaving_peer(addr, action, NS, keys, lengths)
 
 
 def _big_blocks(addr: str, seed: int):

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,26 +14,19 @@ pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (pip install
 
 import torch  # noqa: E402
 
-from daemon_proc import start_kvtierd  # noqa: E402
+from nixl_daemon import LOOPBACK_ENV, start_misbehaving_peer, start_nixl_daemon  # noqa: E402
 from kvtier.client import BlockClient  # noqa: E402
 from kvtier.client.kvcache import KVCache  # noqa: E402
 from kvtier.client.nixl_transport import ClientAgent, ControlChannel, NixlTransport, buffer_address  # noqa: E402
 from kvtier.common.blockformat import encode_block  # noqa: E402
 from kvtier.common.keys import KVLayout, Namespace  # noqa: E402
-from kvtier.common.ucx_env import rdma_devices  # noqa: E402
 from kvtier.wire import connection as p  # noqa: E402
 from kvtier.wire import events as m  # noqa: E402
 from kvtier.wire.events import BlockParts  # noqa: E402
 
-LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", **({} if rdma_devices() else {"UCX_MODULES": "^ib*"})}
 os.environ.update(LOOPBACK_ENV)
 NS = b"\x0b" * 16
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=32)
-
-
-def start_nixl_daemon(path, *args):
-    return start_kvtierd(path, "--nixl", "on", "--region-size", "64m", "--device-size", "256m", *args,
-                         env={**os.environ, **LOOPBACK_ENV})
 
 
 @pytest.fixture(scope="module")
@@ -326,13 +316,8 @@ def test_a_block_of_more_pieces_than_one_put_may_name_is_refused_here(daemon):
 STALL_WAIT_S = 20.0  # the daemon's TRANSFER_TIMEOUT_S (5 s) and its log line, with room on a loaded machine
 
 
-def _put_child(addr: str, action: str, keys, lengths) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("nixl_peer_child.py")), addr, action,
-                              NS.hex(), *(f"{k.hex()}:{n}" for k, n in zip(keys, lengths))],
-                             stdout=subprocess.PIPE, env={**os.environ, **LOOPBACK_ENV})
-    line = child.stdout.readline()
-    assert line.startswith(b"sent"), line + child.stdout.read()
-    return child
+def _put_child(addr: str, action: str, keys, lengths):
+    return start_misbehaving_peer(addr, action, NS, keys, lengths)
 
 
 def _still_stores(addr: str, seed: int) -> bool:

@@ -8,7 +8,7 @@ from kvtier.wire import events as m
 from kvtier.wire import frames as f
 from kvtier.wire import nixl_frames as nf
 
-from test_nixl_frames import _feed
+from test_nixl_frames import _feed, _refused_and_served_on
 
 K1, K2 = bytes([1]) * 16, bytes([2]) * 16
 NS = b"\x09" * 16
@@ -69,13 +69,7 @@ BAD_FRAMES = [
 
 @pytest.mark.parametrize("frame,code,message", BAD_FRAMES)
 def test_malformed_puts_are_refused_with_the_framing_kept(frame, code, message):
-    server = p.Connection(p.Role.SERVER)
-    server.receive_data(frame + p.Connection(p.Role.CLIENT).send(p.Ping(8, b"next")))
-    event = server.next_event()
-    assert isinstance(event, p.Rejected) and event.code == code and message in event.message, event
-    while (after := server.next_event()) is p.NEED_DATA:
-        pass
-    assert after == p.Ping(8, b"next")
+    _refused_and_served_on(frame, code, message)
 
 
 def test_before_hello_a_nixl_put_is_refused_from_the_header():

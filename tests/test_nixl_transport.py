@@ -17,6 +17,7 @@ nixl_api = pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (
 import torch  # noqa: E402
 
 from daemon_proc import start_kvtierd  # noqa: E402
+from nixl_daemon import LOOPBACK_ENV, start_nixl_daemon  # noqa: E402
 from kvtier.client import BlockClient  # noqa: E402
 from kvtier.client import nixl_setup  # noqa: E402
 from kvtier.client.kvcache import KVCache  # noqa: E402
@@ -24,18 +25,11 @@ from kvtier.client.nixl_setup import NixlSetup  # noqa: E402
 from kvtier.client.nixl_transport import ControlChannel, NixlTransport, NixlUnavailable  # noqa: E402
 from kvtier.common.blockformat import encode_block  # noqa: E402
 from kvtier.common.keys import KVLayout, Namespace  # noqa: E402
-from kvtier.common.ucx_env import rdma_devices  # noqa: E402
 from kvtier.wire import events as m  # noqa: E402
 
-LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", **({} if rdma_devices() else {"UCX_MODULES": "^ib*"})}
 os.environ.update(LOOPBACK_ENV)  # this process's client agent, before it exists: loopback only
 NS = b"\x07" * 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
-
-
-def start_nixl_daemon(path, *args):
-    return start_kvtierd(path, "--nixl", "on", "--region-size", "64m", "--device-size", "256m", *args,
-                         env={**os.environ, **LOOPBACK_ENV})
 
 
 @pytest.fixture(scope="module")
