@@ -13,9 +13,9 @@ from kvtier.common.ucx_env import rdma_devices
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", **({} if rdma_devices() else {"UCX_MODULES": "^ib*"})}
 
 
-def start_nixl_daemon(path, *args):
+def start_nixl_daemon(path, *args, **kw):
     return start_kvtierd(path, "--nixl", "on", "--region-size", "64m", "--device-size", "256m", *args,
-                         env={**os.environ, **LOOPBACK_ENV})
+                         env={**os.environ, **LOOPBACK_ENV}, **kw)
 
 
 def start_misbehaving_peer(addr: str, action: str, ns: bytes, keys, lengths) -> subprocess.Popen:

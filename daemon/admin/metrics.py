@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvtier.daemon.admin.kv_events_metrics import kv_events_families
+from kvtier.daemon.admin.nixl_metrics import nixl_families
 from kvtier.daemon.admin.preplace_metrics import preplace_families
 from kvtier.daemon.admin.view import AdminStateView
 from kvtier.daemon.admin.stats import derived_figures, ratio
@@ -87,6 +88,7 @@ class KvtierCollector(Collector):
         yield from preplace_families(self._view.preplace_statistics())
         yield from upstream_families(self._view.upstream_statistics())
         yield from kv_events_families(self._view.kv_events_statistics())
+        yield from nixl_families(self._view.nixl_statistics())
 
     def _process(self, engine: dict) -> Iterable[Metric]:
         yield GaugeMetricFamily("kvtier_ready", "1 once devices are open and the index is recovered.",

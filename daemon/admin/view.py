@@ -110,6 +110,11 @@ class AdminStateView:
         placer = self.preplacer()
         return {} if placer is None else _as_dict(placer.statistics())
 
+    def nixl_statistics(self) -> dict:
+        """The NIXL service's snapshot; empty without --nixl or before a client started its agent."""
+        nixl = getattr(self._state, "nixl", None)
+        return {} if nixl is None else nixl.statistics()
+
     def upstream_statistics(self) -> dict:
         """The pull-through's snapshot (``--upstream``); empty without an upstream."""
         upstream = getattr(self._state, "upstream", None)

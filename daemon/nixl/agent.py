@@ -73,7 +73,7 @@ class AgentStatistics:
     peers: int
     registered_buffers: int
     registered_bytes: int
-    device_memories: int  # memory-backed devices registered once, WRITten from in place
+    device_memories: int  # buffers registered for the agent's life: memory-backed devices, the open-region images
     device_memory_bytes: int
     writes: int
     bytes_written: int

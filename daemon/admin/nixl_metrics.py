@@ -1,0 +1,54 @@
+"""Prometheus families of the NIXL data plane (``--nixl``), read from one
+``NixlService.statistics()`` snapshot per scrape; nothing is counted here. Empty until a client
+made the daemon create its agent.
+
+* transfers     ``kvtier_nixl_transfers_total{op="write"|"read"}`` (NIXL_GET WRITEs, NIXL_PUT READs)
+  and ``kvtier_nixl_transferred_bytes_total{op}``
+* failures      ``kvtier_nixl_failures_total``, ``kvtier_nixl_timeouts_total`` (TRANSFER_TIMEOUT_S)
+* NIXL_PUT      ``kvtier_nixl_put_blocks_total{path="in_place"|"copied"}``
+* GET           ``kvtier_nixl_blocks_from_device_memory_total``
+* the agent     ``kvtier_nixl_peers``, ``kvtier_nixl_registered_bytes``, ``kvtier_nixl_info{transport,ucx_tls}``
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# (statistics field, metric name, family, help)
+_SINGLE = (
+    ("failures", "kvtier_nixl_failures", CounterMetricFamily, "NIXL transfers that failed to post or to complete."),
+    ("timeouts", "kvtier_nixl_timeouts", CounterMetricFamily,
+     "NIXL transfers abandoned after TRANSFER_TIMEOUT_S (a stopped or dead client)."),
+    ("blocks_from_device_memory", "kvtier_nixl_blocks_from_device_memory", CounterMetricFamily,
+     "NIXL_GET blocks WRITten straight from memory-backed devices."),
+    ("peers", "kvtier_nixl_peers", GaugeMetricFamily, "Client agents loaded now."),
+    ("registered_bytes", "kvtier_nixl_registered_bytes", GaugeMetricFamily,
+     "Daemon buffers registered with NIXL now, devices and open-region images aside."),
+    ("device_memory_bytes", "kvtier_nixl_fixed_bytes", GaugeMetricFamily,
+     "Memory registered for the agent's life: memory-backed devices and the open-region images."),
+)
+
+
+def nixl_families(stats: dict) -> Iterable[Metric]:
+    if not stats:
+        return
+    info = GaugeMetricFamily("kvtier_nixl_info", "The NIXL agent's UCX transport (1).",
+                             labels=["transport", "ucx_tls"])
+    info.add_metric([stats["transport"], stats["ucx_tls"]], 1.0)
+    yield info
+    transfers = CounterMetricFamily("kvtier_nixl_transfers", "NIXL transfers done, by operation.", labels=["op"])
+    moved = CounterMetricFamily("kvtier_nixl_transferred_bytes", "Bytes NIXL transfers moved, by operation.",
+                                labels=["op"])
+    for op, count, nbytes in (("write", "writes", "bytes_written"), ("read", "reads", "bytes_read")):
+        transfers.add_metric([op], stats[count])
+        moved.add_metric([op], stats[nbytes])
+    yield from (transfers, moved)
+    for field, name, family, help_text in _SINGLE:
+        yield family(name, help_text, value=stats[field])
+    if "put_blocks_in_place" in stats:
+        puts = CounterMetricFamily("kvtier_nixl_put_blocks", "NIXL_PUT blocks stored, by how they were received.",
+                                   labels=["path"])
+        puts.add_metric(["in_place"], stats["put_blocks_in_place"])
+        puts.add_metric(["copied"], stats["put_blocks_copied"])
+        yield puts
