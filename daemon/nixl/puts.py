@@ -24,13 +24,11 @@ import threading
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, verify_block
 from kvtier.daemon.nixl.agent import DaemonAgent, NixlTransferError, buffer_address
 from kvtier.daemon.nixl.descriptors import ClientRegions, DescriptorError, check_descriptors
-from kvtier.daemon.nixl.parts import plan_parts
+from kvtier.daemon.nixl.parts import Part
 from kvtier.wire import connection as p
 from kvtier.wire import events as m
 
 log = logging.getLogger("kvtier.daemon.nixl")
-
-WHOLE = 1 << 62  # one READ part per request: nothing is notified, so nothing is gained by cutting it
 
 
 class PutRefused(ValueError):
@@ -107,16 +105,16 @@ class NixlPuts:
         return seqs
 
     def _read(self, msg: m.NixlPut, peer_agent: str, into: memoryview, registered=()) -> None:
-        """READ every item's extents, in order, into ``into`` (back to back)."""
-        base, at, items = buffer_address(into), 0, []
+        """READ every item's extents, in order, into ``into`` (back to back), as one part: nothing is
+        notified, so nothing is gained by cutting it."""
+        part, at = Part(), buffer_address(into)
         for index, extents in enumerate(msg.extents):
-            length = sum(n for _, n in extents)
-            items.append((index, list(extents), [(base + at, length)]))
-            at += length
-        # plan_parts walks the first list as the bytes to move and the second as where they go
-        parts = [_swapped(part) for part in plan_parts(items, part_bytes=WHOLE, ranges_max=WHOLE)]
+            offset = 0
+            for address, length in extents:
+                part.add(index, offset, at, address, length)
+                at, offset = at + length, offset + length
         with self._agent.transfer(peer_agent, msg.request_id, op="READ") as transfer:
-            transfer.post(parts, registered)
+            transfer.post([part], registered)
             transfer.wait()
 
     def _images_usable(self) -> bool:
@@ -129,9 +127,3 @@ class NixlPuts:
                     log.warning("event=nixl_put_images_refused error=%s", exc)
                     self._images_registered = False
             return self._images_registered
-
-
-def _swapped(part):
-    part.local, part.remote = part.remote, part.local
-    return part
-
