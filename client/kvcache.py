@@ -399,7 +399,6 @@ class KVCache(AsyncTwins):
             return self._store_pipelined(new, lambda s, e: self._encode(kv, known + s, new[s:e], kv_tokens,
                                                                        from_source=True), durable)
 
-
     def store_async(self, tokens, kv, durable: bool = False, copy: bool = True) -> Future:
         """Write-behind :meth:`store`: the blocks are copied out of ``kv`` now (the engine
         may reuse its memory once this returns); the LOOKUP and PUT run on a background

@@ -19,8 +19,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Sequence
 
-from .nixl_put_plan import joined_ranges
-from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlFetchFailed, NixlTransport, NixlUnavailable, nixl_importable
+from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlTransport, NixlUnavailable, nixl_importable
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +171,6 @@ def lent_for_puts(daemons, spans) -> ExitStack:
         transport = None if daemon.nixl is None else daemon.nixl.ready()
         if transport is not None and transport.puts:
             agents[id(transport.agent)] = transport.agent
-    try:
-        for agent in agents.values():
-            for address, nbytes in joined_ranges(spans):
-                stack.enter_context(agent.lend_range(address, nbytes))
-    except NixlFetchFailed as exc:
-        log.warning("event=nixl_lend_failed error=%s", exc)
+    for agent in agents.values():
+        stack.enter_context(agent.lend_all(spans))
     return stack

@@ -152,6 +152,17 @@ class ClientAgent:
         with self.lend_range(buffer_address(region), region.nbytes):
             yield
 
+    def lend_all(self, ranges) -> ExitStack:
+        """Every one of ``ranges`` (``(address, length)``; joined where they touch) lent while the
+        returned stack is open; from the first NIXL will not register on, none (logged)."""
+        stack = ExitStack()
+        try:
+            for address, nbytes in joined_ranges(ranges):
+                stack.enter_context(self.lend_range(address, nbytes))
+        except NixlFetchFailed as exc:
+            log.warning("event=nixl_lend_failed error=%s", exc)
+        return stack
+
     @contextmanager
     def lend_range(self, address: int, nbytes: int):
         """:meth:`lend` of the ``nbytes`` at ``address`` (memory the caller keeps alive meanwhile)."""
@@ -494,14 +505,9 @@ class NixlTransport:
         limits = self._limits
         registered = RegisteredMemory(self.agent.regions())
         seqs: list[int] = []
-        with ExitStack() as lent:
-            large = [(a, piece.nbytes) for pieces, where in zip(blocks, addresses) for piece, a in zip(pieces, where)
-                     if piece.nbytes >= LEND_PIECE_BYTES_MIN and not registered.touches(a, piece.nbytes)]
-            try:
-                for address, nbytes in joined_ranges(large):
-                    lent.enter_context(self.agent.lend_range(address, nbytes))
-            except NixlFetchFailed as exc:  # what is not lent is staged
-                log.info("event=nixl_lend_failed error=%s", exc)
+        large = [(a, piece.nbytes) for pieces, where in zip(blocks, addresses) for piece, a in zip(pieces, where)
+                 if piece.nbytes >= LEND_PIECE_BYTES_MIN and not registered.touches(a, piece.nbytes)]
+        with self.agent.lend_all(large):  # what is not lent is staged
             frames = plan_put(blocks, addresses, RegisteredMemory(self.agent.regions()),
                               limits["payload_bytes_max"], limits["batch_count_max"], limits["meta_bytes_max"])
             with self._channel() as ch:
