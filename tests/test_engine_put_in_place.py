@@ -224,3 +224,32 @@ def test_every_crash_state_after_an_abort_keeps_acknowledged_blocks_and_no_abort
             assert got is None or same_block(got, b), (i, label)
 
     assert check_every_crash_state(log, cfg, check) > len([e for e in log.events if e])
+
+
+@pytest.mark.parametrize("outcome", ["aborted", "in flight"])
+def test_a_durable_commit_never_carries_the_next_reservation_to_flash(outcome):
+    """A durable commit writes, outside the lock, the page its last block ends in; the next PUT
+    may already be reserved and received there (here a whole small block the client forged the
+    next seq for). In no crash state does that block come back: the write carries zeros past
+    data_end."""
+    engine, cfg, devs = one_device_store()
+    log = record_from_here(devs)
+    acked = [block(1, 1000)]
+    put_in_place(engine, acked)  # its group commit has not run yet: it runs below, as if late
+    later = [with_seq(block(2, 300), engine._seqs.next)]  # the seq the next block would get
+    reservation = reserve(engine, later)
+    fill_into(reservation, later)
+    engine._durability.commit()  # the durable commit of the first PUT, after its lock was let go
+    if outcome == "aborted":
+        engine.abort_put(reservation)
+        engine.put(block(3, 200), durable=True)
+
+    def check(engine, label):
+        assert present(engine, [2]) == [], f"a block never committed came back ({label})"
+        got = engine.get(key(1))
+        assert got is None or same_block(got, acked[0]), label
+
+    assert check_every_crash_state(log, cfg, check) > 0
+    engine = reopen(cfg, devs)
+    assert present(engine, [1, 2]) == [1]
+    engine.close()

@@ -133,6 +133,13 @@ class OpenRegion:
         end = align_up(self.data_end)
         return (start, end) if self.data_end > self.durable_end else (end, end)
 
+    @property
+    def summary_start(self) -> int:
+        """Where the summary entries (or, with none yet, the trailer) begin: free room ends here."""
+        if self.entry_count:
+            return fmt.entry_position(self.size_bytes, self.entry_count - 1)
+        return self.size_bytes - fmt.TRAILER_BYTES
+
     def unsynced_tail(self) -> tuple[int, int]:
         """Aligned [start, end) of the summary entries not yet durable (start == end: nothing).
         Recovery of an open region reads them back (see recovery.scan_open_image): that is how
