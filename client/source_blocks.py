@@ -42,24 +42,31 @@ class SourceBlocks:
         self.blocks = []  # the views go; the engine's tensors were never ours
 
 
-def source_rows(kv: Sequence, layout: KVLayout, index: int, layers: range) -> list[memoryview] | None:
-    """Block ``index``'s payload rows, ``[layer][K|V][head]`` over ``layers``, as byte views of
-    ``kv`` (per-layer ``(k, v)``, ``[1, H, T, D]``); None unless every tensor is on the host and
-    every row is contiguous."""
-    start, end = index * layout.block_tokens, (index + 1) * layout.block_tokens
-    rows: list[memoryview] = []
+def layer_bits(kv: Sequence, layers: range) -> list | None:
+    """``kv`` (per-layer ``(k, v)``, ``[1, H, T, D]``) as ``[H, T, D]`` NumPy views of the bits of each of ``layers``' K and V (in that order), taken
+    once for every block of a store; None unless every tensor is on the host."""
+    bits = []
     for layer in layers:
         for tensor in kv[layer][:2]:
             if tensor.device.type != "cpu":
                 return None
-            bits = host_bits(tensor[0, :, start:end])  # [H, block_tokens, D]
-            if bits.flags.c_contiguous:
-                rows.append(memoryview(bits).cast("B"))
-                continue
-            for head in bits:
-                if not head.flags.c_contiguous:
-                    return None
-                rows.append(memoryview(head).cast("B"))
+            bits.append(host_bits(tensor[0]))
+    return bits
+
+
+def block_rows(bits: list, layout: KVLayout, index: int) -> list[memoryview] | None:
+    """Block ``index``'s payload rows out of :func:`layer_bits`; None unless each is contiguous."""
+    start, end = index * layout.block_tokens, (index + 1) * layout.block_tokens
+    rows: list[memoryview] = []
+    for tensor_bits in bits:
+        block = tensor_bits[:, start:end]  # [H, block_tokens, D]
+        if block.flags.c_contiguous:
+            rows.append(memoryview(block).cast("B"))
+            continue
+        for head in block:
+            if not head.flags.c_contiguous:
+                return None
+            rows.append(memoryview(head).cast("B"))
     return rows
 
 
@@ -79,8 +86,11 @@ def tensor_rows(block, shape: tuple) -> list[memoryview] | None:
 def source_blocks(kv: Sequence, layout: KVLayout, first_block: int, keys: Sequence[bytes], layers: range,
                   ns_id: bytes, codec_id: int, codec_header: bytes) -> SourceBlocks | None:
     """Blocks ``first_block ..`` (one per key) of ``kv`` in the raw codec, sent from where they
-    lie; None where :func:`source_rows` says they cannot be."""
-    return _sealed(keys, lambda i: source_rows(kv, layout, first_block + i, layers), ns_id, codec_id, codec_header)
+    lie; None where :func:`layer_bits` or :func:`block_rows` says they cannot be."""
+    bits = layer_bits(kv, layers)
+    if bits is None:
+        return None
+    return _sealed(keys, lambda i: block_rows(bits, layout, first_block + i), ns_id, codec_id, codec_header)
 
 
 def source_blocks_of_tensors(blocks: Sequence, keys: Sequence[bytes], shape: tuple, ns_id: bytes, codec_id: int,
