@@ -9,9 +9,11 @@ import threading
 import crc32c
 import pytest
 
+from kvtier.common.aligned import align_down
 from kvtier.common.blockformat import BlockFormatError, decode_header
 from kvtier.daemon.engine import DeviceError, Engine
 from kvtier.daemon.engine import put_reservations
+from kvtier.daemon.engine import regionfmt as fmt
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
 
 from test_engine import block, key, mem_engine, present, same_block, seal
@@ -252,4 +254,68 @@ def test_a_durable_commit_never_carries_the_next_reservation_to_flash(outcome):
     assert check_every_crash_state(log, cfg, check) > 0
     engine = reopen(cfg, devs)
     assert present(engine, [1, 2]) == [1]
+    engine.close()
+
+
+def _nearly_full(engine, region_bytes: int) -> bytes:
+    """Fill the open region until data_end lies in the page the summary entries begin in, the last
+    block's prefix durable and its entry not; returns that block."""
+    for i in range(10, 20):
+        engine.put(block(i, 100_000))
+    engine.flush()
+    image = engine._allocator.open
+    target = align_down(fmt.entry_position(region_bytes, image.entry_count)) + 64
+    last = block(1, target - image.data_end - 64)
+    engine.put(last, durable=True)  # a commit without entries
+    assert image.data_end == target and align_down(image.data_end) == align_down(image.summary_start)
+    return last
+
+
+def test_a_commit_with_entries_never_carries_a_reservation_in_their_first_page_to_flash():
+    """A FLUSH (or a DELETE, a PIN, a reclaim) writes the summary entries, and doesn't wait for a
+    reservation; in a nearly full region the first entry page is the one data_end falls in, where
+    the next PUT is being received. Aborted, that PUT must not come back in any crash state."""
+    engine, cfg, devs = one_device_store(regions=5)
+    acked = _nearly_full(engine, cfg.region_size_bytes)
+    log = record_from_here(devs)
+    forged = [with_seq(block(2, 300), engine._seqs.next)]
+    reservation = reserve(engine, forged, new_region=False)
+    assert reservation is not None
+    fill_into(reservation, forged)
+    engine.flush()
+    engine.abort_put(reservation)
+    engine.put(block(3, 200), durable=True)
+
+    def check(engine, label):
+        assert present(engine, [2]) == [], f"an aborted block came back ({label})"
+        got = engine.get(key(1))
+        assert got is None or same_block(got, acked), label
+
+    assert check_every_crash_state(log, cfg, check) > 0
+    engine = reopen(cfg, devs)
+    assert present(engine, [1, 2, 3]) == [1, 3]
+    engine.close()
+
+
+def test_a_commit_that_fails_after_placing_is_taken_back_and_frees_the_open_region(monkeypatch):
+    engine, _, _ = mem_engine()
+    blocks = [block(1, 1000), block(3, 2000)]
+    reservation = reserve(engine, blocks)
+    fill_into(reservation, blocks)
+
+    def fails(pending):
+        raise RuntimeError("the index insert failed")
+    monkeypatch.setattr(engine._blocks, "insert_appended", fails)
+    with pytest.raises(RuntimeError):
+        engine.commit_put(reservation)
+    monkeypatch.undo()
+    engine.abort_put(reservation)  # what the handler's finally does: a no-op now
+    image = engine._allocator.open
+    assert image.data_end == reservation.offset and engine._allocator.reservation is None
+    assert bytes(reservation.view) == bytes(reservation.view.nbytes), "client bytes left past data_end"
+    writer = threading.Thread(target=lambda: engine.put(block(2, 500)), daemon=True)
+    writer.start()
+    writer.join(5)
+    assert not writer.is_alive(), "a later PUT still waits for the failed commit's reservation"
+    assert present(engine, [1, 2, 3]) == [2]
     engine.close()

@@ -35,9 +35,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from kvtier.common.aligned import align_down, align_up, aligned_buffer
+from kvtier.common.aligned import align_down, align_up
 
 from .errors import DeviceError
 from .openregion import OpenRegion
@@ -185,13 +183,13 @@ class Durability:
                 snap.in_place = (base + start, image.buffer[start:whole_end])
             end = align_up(image.data_end)
             if end > whole_end:  # the page the next block is being copied into
-                snap.copied.append((base + whole_end, _tail_page(image, whole_end, end)))
+                snap.copied.append((base + whole_end, image.flash_copy(whole_end, end)))
         # a block whose entry flags it (a moved pinned block) never reaches flash before that entry:
         # else a crash could leave it there, newer than its old copy, and not pinned
         with_entries = with_entries or image.flagged_entries > image.durable_entries
         if with_entries and image.entry_count > image.durable_entries:
             start, end = image.unsynced_tail()
-            snap.entries = (base + start, _copy(image.buffer[start:end]))
+            snap.entries = (base + start, image.flash_copy(start, end))
         image.pin_io()  # no reset, seal or locked write of this image lands before these writes are done
         return snap
 
@@ -246,7 +244,7 @@ class Durability:
                     self._array.sync()
                     allocator.mark_synced(issued)
                 start, end = ranges.pop()
-                self._array.sync(self._array.write_ranges([(base + start, image.buffer[start:end])]))
+                self._array.sync(self._array.write_ranges([(base + start, image.flash_copy(start, end))]))
             touched = self._array.write_ranges([(base + offset, view) for start, _ in ranges  # the prefix
                                                 for offset, view in _prefix_writes(image, start)])
             if allocator.unsynced_writes:
@@ -300,23 +298,10 @@ class Durability:
 
 def _prefix_writes(image: OpenRegion, start: int) -> list[tuple[int, memoryview]]:
     """The image from ``start`` (page aligned) through the page ``data_end`` falls in, as region
-    offsets and views: whole pages where they lie, that page as :func:`_tail_page`."""
+    offsets and views: whole pages where they lie, that page as :meth:`OpenRegion.flash_copy`."""
     whole_end, end = align_down(image.data_end), align_up(image.data_end)
     writes = [(start, image.buffer[start:whole_end])] if whole_end > start else []
     if end > whole_end:
-        writes.append((whole_end, _tail_page(image, whole_end, end)))
+        writes.append((whole_end, image.flash_copy(whole_end, end)))
     return writes
 
-
-def _tail_page(image: OpenRegion, start: int, end: int) -> memoryview:
-    """A copy of the page ``data_end`` falls in with the free room past ``data_end`` zeroed: a PUT
-    being received there (put_reservations) never reaches flash before its commit."""
-    page = _copy(image.buffer[start:end])
-    np.frombuffer(page, np.uint8)[image.data_end - start:max(image.data_end, min(end, image.summary_start)) - start] = 0
-    return page
-
-
-def _copy(view: memoryview) -> memoryview:
-    buf = aligned_buffer(view.nbytes)
-    buf[:] = view
-    return buf

@@ -24,7 +24,7 @@ from kvtier.common.blockformat import HEADER_SIZE, stamp_sequence
 
 from . import regionfmt as fmt
 from .buffers import copy_bytes
-from kvtier.common.aligned import align_down, align_up
+from kvtier.common.aligned import align_down, align_up, aligned_buffer
 
 
 class OpenRegion:
@@ -139,6 +139,17 @@ class OpenRegion:
         if self.entry_count:
             return fmt.entry_position(self.size_bytes, self.entry_count - 1)
         return self.size_bytes - fmt.TRAILER_BYTES
+
+    def flash_copy(self, start: int, end: int) -> memoryview:
+        """A copy of ``[start, end)`` to write to flash, its free room (past ``data_end``, before the
+        summary entries) zeroed: a PUT being received there (:mod:`.put_reservations`) never
+        reaches flash before its commit, by the page a prefix ends in or the one entries begin in."""
+        page = aligned_buffer(end - start)
+        page[:] = self.buffer[start:end]
+        free_start, free_end = max(start, self.data_end), min(end, self.summary_start)
+        if free_end > free_start:
+            np.frombuffer(page, np.uint8)[free_start - start:free_end - start] = 0
+        return page
 
     def unsynced_tail(self) -> tuple[int, int]:
         """Aligned [start, end) of the summary entries not yet durable (start == end: nothing).

@@ -145,7 +145,8 @@ class InPlacePuts:
                 return self._put_many(copies, durable)
             image, base = allocator.open, reservation.region * self._region_size
             assert image.region == reservation.region and image.data_end == reservation.offset
-            image.pending_bytes = image.pending_entries = 0
+            self._release(reservation)  # its blocks become appends (the lock is held throughout)
+            on_error.push(lambda kind, *_: _zero_if_failed(kind, reservation))  # after the take-back below
             on_error.enter_context(appends_or_nothing(  # a commit that fails (a durable write) is taken back
                 allocator, self._blocks.table, self._region_size, self._durability.write_and_sync,
                 forget_new_keys(self._blocks, k0, k1, np.full(len(k0), -1))))
@@ -163,8 +164,6 @@ class InPlacePuts:
             self._counters.puts_received_in_place += len(seqs)
             placed = [(k0_, k1_, addr, seq) for (k0_, k1_, addr, _, _), seq in zip(pending, seqs)]
             self._blocks.insert_appended(pending)
-            reservation.resolved = True
-            allocator.reservation_resolved()
             allocator.reap_seal(wait=False)
         if durable:
             self._commit_durable(placed)  # without the lock (Engine._commit_or_take_back)
@@ -185,3 +184,10 @@ class InPlacePuts:
         image.pending_bytes = image.pending_entries = 0
         reservation.resolved = True
         self._allocator.reservation_resolved()
+
+
+def _zero_if_failed(kind, reservation: Reservation) -> None:
+    """A commit that failed after its reservation became appends: the take-back zeroed what it
+    placed; this zeroes the rest of the frame, so no client bytes are left past ``data_end``."""
+    if kind is not None:
+        np.frombuffer(reservation.view, np.uint8).fill(0)

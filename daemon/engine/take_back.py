@@ -92,7 +92,7 @@ def _cover(write_and_sync: Callable[[list], None], base: int, image, ranges) -> 
     """Write the zeroed pages of a failed request once more (best effort: the device just
     failed, and the request's own error is what the caller gets; write_and_sync counts it)."""
     try:
-        write_and_sync([(base + start, image.buffer[start:end]) for start, end in ranges])
+        write_and_sync([(base + start, image.flash_copy(start, end)) for start, end in ranges])
     except DeviceError:
         pass
 
