@@ -2,6 +2,7 @@
 settings the command line does not expose (a small reply payload limit)."""
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -386,6 +387,70 @@ def test_a_connection_dropped_mid_payload_stores_nothing_and_frees_the_room(engi
             assert c.lookup([key]) == 0
             c.put(key, block, durable=True)  # waits for the dropped one's reservation to be aborted
             assert c.get(key)[HEADER_SIZE:] == block[HEADER_SIZE:]
+        assert engine.statistics().puts_received_in_place == 1
+    finally:
+        server.stop()
+
+
+def _next_event(s: socket.socket, conn: p.Connection):
+    while (event := conn.next_event()) is p.NEED_DATA:
+        conn.receive_data(s.recv(65536))
+    return event
+
+
+def _greeted(addr: str, name: str) -> tuple[socket.socket, p.Connection]:
+    host, _, port = addr.rpartition(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    conn = p.Connection(p.Role.CLIENT)
+    s.sendall(conn.send(p.Hello(1, name)))
+    assert isinstance(_next_event(s, conn), p.HelloReply)
+    return s, conn
+
+
+def test_a_put_stalled_mid_payload_in_the_open_region_is_closed_soon_and_others_store(engine, monkeypatch):
+    """Holding the open region, a stalled PUT makes every other writer wait: it gets
+    RESERVED_PAYLOAD_STALL_S without a byte, not the frame timeout, then ERROR TIMEOUT."""
+    from kvtier.daemon.server import connection_loop
+    monkeypatch.setattr(connection_loop, "RESERVED_PAYLOAD_STALL_S", 0.5)
+    server, addr = in_place_server(engine)  # frame timeout: the default 30 s
+    try:
+        key, other = b"\x0b" * 16, b"\x0c" * 16
+        block = encode_block(key, NS, 0, os.urandom(500_000))
+        s, conn = _greeted(addr, "stall-test")
+        with s:
+            wire = b"".join(bytes(part) for part in conn.send_parts(p.Put(2, (key,), (block,), True)))
+            s.sendall(wire[:len(wire) - 200_000])  # the header, the meta and part of the block: then nothing
+            started = time.monotonic()
+            with BlockClient(addr) as c:
+                c.put(other, encode_block(other, NS, 0, os.urandom(1000)), durable=True)
+                assert time.monotonic() - started < 10  # not the 30 s frame timeout
+                assert c.lookup([key]) == 0 and c.lookup([other]) == 1
+            error = _next_event(s, conn)
+            assert isinstance(error, p.ErrorReply) and error.code == p.ErrorCode.TIMEOUT, error
+            assert "open region stalled" in error.message
+    finally:
+        server.stop()
+
+
+def test_a_put_into_the_open_region_that_keeps_sending_is_not_cut_off(engine, monkeypatch):
+    from kvtier.daemon.server import connection_loop
+    monkeypatch.setattr(connection_loop, "RESERVED_PAYLOAD_STALL_S", 0.3)
+    server, addr = in_place_server(engine)
+    try:
+        key = b"\x0d" * 16
+        block = encode_block(key, NS, 0, os.urandom(500_000))
+        s, conn = _greeted(addr, "slow-test")
+        with s:
+            wire = b"".join(bytes(part) for part in conn.send_parts(p.Put(2, (key,), (block,), True)))
+            for start in range(0, len(wire), 100_000):  # slower in all than the stall bound, never stalled by it
+                s.sendall(wire[start:start + 100_000])
+                time.sleep(0.1)
+            reply = _next_event(s, conn)
+            assert isinstance(reply, p.PutReply), reply
+            time.sleep(0.5)  # idle between requests: the frame timeout again, not the stall bound
+            s.sendall(conn.send(p.Lookup(3, (key,))))
+            reply = _next_event(s, conn)
+            assert isinstance(reply, p.LookupReply) and reply.leading == 1, reply
         assert engine.statistics().puts_received_in_place == 1
     finally:
         server.stop()

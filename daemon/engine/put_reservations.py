@@ -44,7 +44,8 @@ from .seqs import SeqCounter
 from .statistics import EngineCounters
 
 RESERVATION_WAIT_S = 0.25  # a PUT waits this long for the reservation in flight (a few frames' worth at
-# loopback rates) before it is received the copying way: a stalled client never stalls other PUTs for long
+# loopback rates) before it is received the copying way, whose append waits for the reservation too: the
+# data server bounds a stalled one (connection_loop.RESERVED_PAYLOAD_STALL_S, NIXL's TRANSFER_TIMEOUT_S)
 
 
 @dataclass

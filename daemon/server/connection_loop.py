@@ -12,6 +12,9 @@ for anything else) and must say HELLO within ``hello_timeout_s`` of opening,
 so unauthenticated peers cost neither memory nor, for long, a connection slot.
 An authenticated connection that sits idle between requests for
 ``idle_timeout_s`` is told so (ERROR TIMEOUT, request id 0) and closed.
+A PUT being received into the open region holds it (every other writer waits, see
+``engine.put_reservations``): while it does, its connection may go at most
+RESERVED_PAYLOAD_STALL_S without a byte, not ``frame_timeout_s``, before it is told so and closed.
 An idle connection wakes when the server stops; a busy one finishes the
 requests already received first.
 """
@@ -32,6 +35,8 @@ from kvtier.wire import connection as p
 from kvtier.wire.sockets import receive_some, sendmsg_all
 
 log = logging.getLogger("kvtier.daemon.server")
+
+RESERVED_PAYLOAD_STALL_S = 2.0  # no byte for this long mid-payload while holding the open region: closed
 
 
 class ConnectionLoop:
@@ -64,6 +69,12 @@ class ConnectionLoop:
             log.info("event=idle_timeout peer=%s timeout_s=%s", peer, self._idle_timeout_s)
             send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
                                f"idle for {self._idle_timeout_s} s between requests (idle_timeout): closed")
+        except _ReservationStalled as exc:
+            self._recorder.error(p.ErrorCode.TIMEOUT.name)
+            log.warning("event=reserved_payload_stall peer=%s timeout_s=%s", peer, exc.timeout_s)
+            send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
+                               f"a PUT being received into the open region stalled for {exc.timeout_s} s "
+                               "mid-payload (other writers wait for it): closed")
         except socket.timeout:
             self._recorder.error(p.ErrorCode.TIMEOUT.name)
             if conn.awaiting_hello:
@@ -90,6 +101,7 @@ class ConnectionLoop:
                         hello_deadline: float) -> None:
         handler, buffers, recorder = self._handler, self._buffers, self._recorder
         placed = None
+        stall_bounded = False  # the socket's timeout is RESERVED_PAYLOAD_STALL_S while a payload is received in place
         received_before = 0
         while True:
             event = conn.next_event()
@@ -108,7 +120,10 @@ class ConnectionLoop:
                     placed = head  # a PUT into the open region; else an arena if it fits and one is free;
                     # else a transient buffer, budget permitting
                     buffer = handler.payload_in_place(session, head, conn.pending_meta) if session.greeted else None
-                    if buffer is None:
+                    if buffer is not None:
+                        sock.settimeout(min(self._frame_timeout_s, RESERVED_PAYLOAD_STALL_S))
+                        stall_bounded = True
+                    else:
                         buffer = buffers.payload_buffer(session, head.payload_len)
                     if buffer is not None:
                         conn.set_payload_buffer(buffer)
@@ -118,7 +133,12 @@ class ConnectionLoop:
                     sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
                     recorder.request_done("rejected", 0.0, 0, sent)
                     continue
-                receive_some(sock, conn)
+                try:
+                    receive_some(sock, conn)
+                except socket.timeout:
+                    if session.put_reservation is not None:
+                        raise _ReservationStalled(min(self._frame_timeout_s, RESERVED_PAYLOAD_STALL_S)) from None
+                    raise
                 continue
             if event is p.CONNECTION_CLOSED:
                 return
@@ -127,6 +147,9 @@ class ConnectionLoop:
                 reply, close_after = handler.handle(event, session)
             finally:
                 handler.abort_in_place(session)  # a reservation its request did not commit
+            if stall_bounded:
+                sock.settimeout(self._frame_timeout_s)
+                stall_bounded = False
             try:
                 sent = sendmsg_all(sock, conn.send_parts(reply))
             finally:
@@ -156,6 +179,14 @@ class ConnectionLoop:
         if not ready:
             raise socket.timeout(f"idle for {timeout_s} s") if before_hello else _IdleTimeout()
         return self._stop.fd not in ready and not self._stop.is_set()
+
+
+class _ReservationStalled(Exception):
+    """A PUT received into the open region went ``timeout_s`` without a byte mid-payload."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"stalled for {timeout_s} s")
+        self.timeout_s = timeout_s
 
 
 class _IdleTimeout(Exception):
