@@ -142,8 +142,11 @@ class ClientAgent:
         return bytes(self._agent.get_agent_metadata())
 
     def regions(self) -> tuple[tuple[int, int], ...]:
+        """The memory declared to daemons: the registered buffers and every lent range, joined where
+        they overlap or touch (two stores may lend overlapping views of one KV tensor; a daemon
+        refuses overlapping regions)."""
         with self._lock:
-            return tuple((buffer_address(b), len(b)) for b in self._buffers) + tuple(self._lent)
+            return tuple(joined_ranges([(buffer_address(b), len(b)) for b in self._buffers] + list(self._lent)))
 
     @contextmanager
     def lend(self, region: memoryview):

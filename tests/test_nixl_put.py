@@ -78,6 +78,22 @@ def test_a_store_through_nixl_is_read_in_place_by_the_daemon(daemon):
         assert loaded.num_tokens == len(tokens) and _same(loaded, kv)
 
 
+def test_a_store_whose_kv_another_lend_overlaps_still_goes_through_nixl(daemon):
+    """Two stores may lend overlapping views of one tensor (a prefix and its extension): the
+    regions declared to the daemon are joined, or it refuses them and every PUT goes over TCP."""
+    tokens = list(range(3000, 3000 + 32 * 3))
+    kv = _kv(len(tokens), seed=9)
+    k0 = kv[0][0]
+    with KVCache(Namespace("put-overlap", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="nixl") as cache:
+        transport = _ready(cache)
+        with transport.agent.lend_range(k0.data_ptr(), k0.numel() * k0.element_size() // 2):  # the other store's
+            assert cache.store(tokens, kv, durable=True) == 3
+        stats = transport.statistics()
+        assert stats.put_blocks == 3 and stats.puts_refused == 0
+        loaded = cache.load(tokens)
+        assert loaded.num_tokens == len(tokens) and _same(loaded, kv)
+
+
 def test_blocks_in_send_buffers_are_lent_for_their_put_not_copied(daemon):
     """A write-behind save copies the KV out into send buffers; its PUT lends those for the call."""
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=256)  # 512 KiB
