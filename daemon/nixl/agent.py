@@ -48,6 +48,11 @@ class NixlTransferError(RuntimeError):
         self.timed_out = timed_out
 
 
+class NixlReadNotCancelled(NixlTransferError):
+    """A READ into this daemon's memory failed or timed out and NIXL could not release it: it may
+    still write there, so that memory must never be used again (the caller fails closed)."""
+
+
 def load_nixl():
     """The ``nixl_cu12._api`` module (NixlUnavailable names the extra when it is missing)."""
     try:
@@ -291,3 +296,6 @@ class Transfer:
                 released = False
         if released:  # else its buffers stay registered (in use) for good: it may still read them
             self._owner._release(self._keys)
+        elif self._op == "READ":  # ... or write into them
+            raise NixlReadNotCancelled(f"a NIXL READ from {self._peer} (request {self._request_id}) could not be "
+                                       "released: it may still write into the memory it was given")

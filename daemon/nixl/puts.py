@@ -14,7 +14,9 @@ The two open-region images are registered with the daemon's agent once, on the f
 When no reservation can be had (another one in flight too long, a key already stored), the
 blocks are READ into the request's buffer and stored the copying way (``Engine.put_many``).
 A request refused or failed at any step stores nothing: a reservation is aborted (its room
-zeroed and given back) before the error goes out.
+zeroed and given back) before the error goes out. A READ that failed and that NIXL cannot
+release may still write where it was pointed: the engine then fails closed instead, and the
+daemon exits to be restarted, so neither that room nor that buffer takes another block.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import logging
 import threading
 
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, verify_block
-from kvtier.daemon.nixl.agent import DaemonAgent, NixlTransferError, buffer_address
+from kvtier.daemon.nixl.agent import DaemonAgent, NixlReadNotCancelled, NixlTransferError, buffer_address
 from kvtier.daemon.nixl.descriptors import ClientRegions, DescriptorError, check_descriptors
 from kvtier.daemon.nixl.parts import Part
 from kvtier.wire import connection as p
@@ -76,11 +78,16 @@ class NixlPuts:
         reservation = self._engine.reserve_put(msg.keys, lengths) if self._images_usable() else None
         if reservation is None:
             return self._put_copied(msg, peer_agent, lengths, session)
+        cancelled = True
         try:
             self._read(msg, peer_agent, reservation.view)
             seqs = self._engine.commit_put(reservation, durable=msg.durable)
+        except NixlReadNotCancelled:
+            cancelled = False  # the room stays reserved: the engine failed closed
+            raise
         finally:
-            self._engine.abort_put(reservation)  # a no-op once committed
+            if cancelled:
+                self._engine.abort_put(reservation)  # a no-op once committed
         with self._lock:
             self.in_place += len(seqs)
         return seqs
@@ -113,9 +120,13 @@ class NixlPuts:
             for address, length in extents:
                 part.add(index, offset, at, address, length)
                 at, offset = at + length, offset + length
-        with self._agent.transfer(peer_agent, msg.request_id, op="READ") as transfer:
-            transfer.post([part], registered)
-            transfer.wait()
+        try:
+            with self._agent.transfer(peer_agent, msg.request_id, op="READ") as transfer:
+                transfer.post([part], registered)
+                transfer.wait()
+        except NixlReadNotCancelled as exc:  # neither the open region nor a pooled buffer may take its bytes
+            self._engine.fail(f"{exc}; the daemon stops without reusing that memory (a restart recovers from flash)")
+            raise
 
     def _images_usable(self) -> bool:
         with self._lock:

@@ -1,0 +1,70 @@
+"""A NIXL READ into the daemon's memory that failed and that NIXL cannot release may still write
+there: the transfer says so (NixlReadNotCancelled), and a NIXL_PUT then fails the engine closed
+with the room it reserved still held, so no later block is ever placed where late bytes land."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (pip install 'kvtier[nixl]')")
+
+from nixl_daemon import LOOPBACK_ENV  # noqa: E402
+from kvtier.common.blockformat import decode_header  # noqa: E402
+from kvtier.daemon.nixl.agent import DaemonAgent, NixlReadNotCancelled, Transfer  # noqa: E402
+from kvtier.daemon.nixl.puts import NixlPuts  # noqa: E402
+from kvtier.wire import connection as p  # noqa: E402
+from kvtier.wire import events as m  # noqa: E402
+
+from test_engine import block, mem_engine  # noqa: E402
+
+os.environ.update(LOOPBACK_ENV)
+
+
+class _StillInFlight:
+    """A transfer handle NIXL refuses to release (it cannot cancel what is in flight)."""
+
+    def release(self):
+        raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return DaemonAgent(loopback_only=True)
+
+
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_a_transfer_nixl_cannot_release_is_not_cancelled_only_when_it_writes_here(agent, op):
+    transfer = Transfer(agent, "peer", 7, op=op)
+    transfer._handles.append(_StillInFlight())
+    if op == "READ":
+        with pytest.raises(NixlReadNotCancelled, match="may still write"):
+            transfer.__exit__(None, None, None)
+    else:  # a WRITE reads our memory: its buffers stay registered for good, nothing else is owed
+        transfer.__exit__(None, None, None)
+
+
+class _AgentWhoseReadCannotBeReleased:
+    """The daemon agent as seen by NixlPuts, with its READ ending the way the test above shows."""
+
+    def register_fixed(self, images) -> None:
+        pass
+
+    def transfer(self, peer: str, request_id: int, op: str = "WRITE"):
+        inner = Transfer(self._real, peer, request_id, op)
+        inner._handles.append(_StillInFlight())
+        return inner
+
+    def __init__(self, real: DaemonAgent):
+        self._real = real
+
+
+def test_a_put_whose_read_cannot_be_released_fails_the_engine_closed_and_keeps_its_room(agent):
+    engine, _, _ = mem_engine()
+    puts = NixlPuts(_AgentWhoseReadCannotBeReleased(agent), engine, buffers=None, limits=p.Limits())
+    blk = block(1, 4000)
+    msg = m.NixlPut(3, (decode_header(blk).key,), "peer", ((((1 << 30), len(blk)),),), durable=True)
+    with pytest.raises(NixlReadNotCancelled):
+        puts.put(msg, "peer", [len(blk)], session=None)
+    assert engine.failure is not None and "could not be released" in engine.failure
+    assert engine._allocator.reservation is not None, "the room a late READ may still write was given back"
