@@ -48,9 +48,10 @@ class NixlTransferError(RuntimeError):
         self.timed_out = timed_out
 
 
-class NixlReadNotCancelled(NixlTransferError):
-    """A READ into this daemon's memory failed or timed out and NIXL could not release it: it may
-    still write there, so that memory must never be used again (the caller fails closed)."""
+class NixlTransferNotReleased(NixlTransferError):
+    """A transfer that failed or timed out and that NIXL could not release: a READ may still write
+    into this daemon's memory, a WRITE may still send what that memory holds next into a client's.
+    Neither may be used again: the caller fails closed."""
 
 
 def load_nixl():
@@ -294,8 +295,9 @@ class Transfer:
             except Exception as exc:  # still in flight and not cancellable: NIXL keeps it as leaked
                 log.warning("event=nixl_release_failed agent=%s error=%s", self._peer, exc)
                 released = False
-        if released:  # else its buffers stay registered (in use) for good: it may still read them
+        if released:
             self._owner._release(self._keys)
-        elif self._op == "READ":  # ... or write into them
-            raise NixlReadNotCancelled(f"a NIXL READ from {self._peer} (request {self._request_id}) could not be "
-                                       "released: it may still write into the memory it was given")
+        else:  # its buffers stay registered (in use) for good
+            raise NixlTransferNotReleased(
+                f"a NIXL {self._op} {self._direction} {self._peer} (request {self._request_id}) could not be "
+                f"released: it may still {'write into' if self._op == 'READ' else 'read'} the memory it was given")

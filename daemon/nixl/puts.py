@@ -24,7 +24,7 @@ import logging
 import threading
 
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, verify_block
-from kvtier.daemon.nixl.agent import DaemonAgent, NixlReadNotCancelled, NixlTransferError, buffer_address
+from kvtier.daemon.nixl.agent import DaemonAgent, NixlTransferNotReleased, NixlTransferError, buffer_address
 from kvtier.daemon.nixl.descriptors import ClientRegions, DescriptorError, check_descriptors
 from kvtier.daemon.nixl.parts import Part
 from kvtier.wire import connection as p
@@ -82,7 +82,7 @@ class NixlPuts:
         try:
             self._read(msg, peer_agent, reservation.view)
             seqs = self._engine.commit_put(reservation, durable=msg.durable)
-        except NixlReadNotCancelled:
+        except NixlTransferNotReleased:
             cancelled = False  # the room stays reserved: the engine failed closed
             raise
         finally:
@@ -124,7 +124,7 @@ class NixlPuts:
             with self._agent.transfer(peer_agent, msg.request_id, op="READ") as transfer:
                 transfer.post([part], registered)
                 transfer.wait()
-        except NixlReadNotCancelled as exc:  # neither the open region nor a pooled buffer may take its bytes
+        except NixlTransferNotReleased as exc:  # neither the open region nor a pooled buffer may take its bytes
             self._engine.fail(f"{exc}; the daemon stops without reusing that memory (a restart recovers from flash)")
             raise
 

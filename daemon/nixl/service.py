@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from kvtier.daemon.nixl.agent import DaemonAgent, NixlTransferError, NixlUnavailable, buffer_address
+from kvtier.daemon.nixl.agent import (DaemonAgent, NixlTransferError, NixlTransferNotReleased, NixlUnavailable,
+                                      buffer_address)
 from kvtier.daemon.nixl.descriptors import ClientRegions, DescriptorError, check_descriptors, check_fits
 from kvtier.wire import connection as p
 from kvtier.wire import events as m
@@ -174,16 +175,26 @@ class NixlService:
         to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], _destination(msg, i))
                      for i, block in enumerate(in_memory) if block is not None]
         lengths = [0 if block is None else block.length for block in in_memory]
-        with self._agent.transfer(peer.agent_name, msg.request_id) as transfer:
-            try:
-                self._write(msg, session, transfer, lengths, copied, to_memory)
-                transfer.wait()
-            except DescriptorError as exc:
-                return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
-            except NixlTransferError as exc:
-                log.warning("event=nixl_write_failed peer=%s agent=%s error=%s", session.peer, peer.agent_name, exc)
-                code = p.ErrorCode.TIMEOUT if exc.timed_out else p.ErrorCode.INTERNAL
-                return self._refuse(msg, code, str(exc))
+        try:
+            with self._agent.transfer(peer.agent_name, msg.request_id) as transfer:
+                try:
+                    self._write(msg, session, transfer, lengths, copied, to_memory)
+                    transfer.wait()
+                except DescriptorError as exc:
+                    refusal = self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
+                except NixlTransferError as exc:
+                    log.warning("event=nixl_write_failed peer=%s agent=%s error=%s", session.peer, peer.agent_name,
+                                exc)
+                    code = p.ErrorCode.TIMEOUT if exc.timed_out else p.ErrorCode.INTERNAL
+                    refusal = self._refuse(msg, code, str(exc))
+                else:
+                    refusal = None
+        except NixlTransferNotReleased as exc:  # the request's buffer is refilled next: it must not be sent on
+            if self._engine is not None:
+                self._engine.fail(f"{exc}; the daemon stops rather than reuse that memory")
+            return self._refuse(msg, p.ErrorCode.INTERNAL, str(exc))
+        if refusal is not None:
+            return refusal
         if to_memory:
             self._stats.namespace(msg.ns_id, len(to_memory), 0)
             with self._lock:

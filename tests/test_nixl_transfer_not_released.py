@@ -1,6 +1,7 @@
-"""A NIXL READ into the daemon's memory that failed and that NIXL cannot release may still write
-there: the transfer says so (NixlReadNotCancelled), and a NIXL_PUT then fails the engine closed
-with the room it reserved still held, so no later block is ever placed where late bytes land."""
+"""A NIXL transfer that failed and that NIXL cannot release may still run: a READ may write into
+the daemon's memory, a WRITE may send what that memory holds next. The transfer says so
+(NixlTransferNotReleased), and a NIXL_PUT then fails the engine closed with the room it reserved
+still held, so no later block is ever placed where late bytes land."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (pip install
 
 from nixl_daemon import LOOPBACK_ENV  # noqa: E402
 from kvtier.common.blockformat import decode_header  # noqa: E402
-from kvtier.daemon.nixl.agent import DaemonAgent, NixlReadNotCancelled, Transfer  # noqa: E402
+from kvtier.daemon.nixl.agent import DaemonAgent, NixlTransferNotReleased, Transfer  # noqa: E402
 from kvtier.daemon.nixl.puts import NixlPuts  # noqa: E402
 from kvtier.wire import connection as p  # noqa: E402
 from kvtier.wire import events as m  # noqa: E402
@@ -33,14 +34,11 @@ def agent():
     return DaemonAgent(loopback_only=True)
 
 
-@pytest.mark.parametrize("op", ["READ", "WRITE"])
-def test_a_transfer_nixl_cannot_release_is_not_cancelled_only_when_it_writes_here(agent, op):
+@pytest.mark.parametrize("op, still", [("READ", "write into"), ("WRITE", "read")])
+def test_a_transfer_nixl_cannot_release_says_it_may_still_run(agent, op, still):
     transfer = Transfer(agent, "peer", 7, op=op)
     transfer._handles.append(_StillInFlight())
-    if op == "READ":
-        with pytest.raises(NixlReadNotCancelled, match="may still write"):
-            transfer.__exit__(None, None, None)
-    else:  # a WRITE reads our memory: its buffers stay registered for good, nothing else is owed
+    with pytest.raises(NixlTransferNotReleased, match=f"may still {still} the memory"):
         transfer.__exit__(None, None, None)
 
 
@@ -64,7 +62,7 @@ def test_a_put_whose_read_cannot_be_released_fails_the_engine_closed_and_keeps_i
     puts = NixlPuts(_AgentWhoseReadCannotBeReleased(agent), engine, buffers=None, limits=p.Limits())
     blk = block(1, 4000)
     msg = m.NixlPut(3, (decode_header(blk).key,), "peer", ((((1 << 30), len(blk)),),), durable=True)
-    with pytest.raises(NixlReadNotCancelled):
+    with pytest.raises(NixlTransferNotReleased):
         puts.put(msg, "peer", [len(blk)], session=None)
     assert engine.failure is not None and "could not be released" in engine.failure
     assert engine._allocator.reservation is not None, "the room a late READ may still write was given back"
