@@ -43,8 +43,9 @@ class SourceBlocks:
 
 
 def layer_bits(kv: Sequence, layers: range) -> list | None:
-    """``kv`` (per-layer ``(k, v)``, ``[1, H, T, D]``) as ``[H, T, D]`` NumPy views of the bits of each of ``layers``' K and V (in that order), taken
-    once for every block of a store; None unless every tensor is on the host."""
+    """``kv`` (per-layer ``(k, v)``, ``[1, H, T, D]``) as ``[H, T, D]`` NumPy views of the bits of
+    each of ``layers``' K and V, in that order, taken once for every block of a store; None unless
+    every tensor is on the host."""
     bits = []
     for layer in layers:
         for tensor in kv[layer][:2]:

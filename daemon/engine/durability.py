@@ -304,4 +304,3 @@ def _prefix_writes(image: OpenRegion, start: int) -> list[tuple[int, memoryview]
     if end > whole_end:
         writes.append((whole_end, image.flash_copy(whole_end, end)))
     return writes
-
