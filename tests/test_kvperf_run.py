@@ -247,6 +247,26 @@ def test_ttft_four_modes_on_a_tiny_llama(kvtierd, capsys, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ttft_at_concurrency_one_runs_each_prompts_modes_back_to_back(kvtierd, capsys, monkeypatch):
+    """So that a slower spell of the machine falls on every mode alike, not on the kvtier pass alone."""
+    pytest.importorskip("transformers")
+    from kvtier.tools.kvperf import ttftjob
+
+    calls, real = [], ttftjob.TtftBench._one
+
+    def recorded(self, mode, i):
+        calls.append((mode, i))
+        return real(self, mode, i)
+    monkeypatch.setattr(ttftjob.TtftBench, "_one", recorded)
+    code, doc, err = kvperf_json(capsys, f"--target=tcp://{kvtierd.data_addr}", "--name=ttft", "--rw=ttft",
+                                 "--model=random-llama-tiny", "--prompt_tokens=72", "--cached_tokens=60",
+                                 "--block_tokens=16", "--concurrency=1", "--ttft_prompts=3")
+    assert code == EXIT_OK, err
+    modes = list(ttftjob.MODES)
+    timed = calls[len(modes) * ttftjob.WARMUP_PROMPTS:]  # after the untimed warm-up of each mode
+    assert timed == [(mode, i) for i in range(3) for mode in modes]
+
+
 def test_ttft_threads_sets_the_models_threads_for_that_job_only(kvtierd, capsys):
     pytest.importorskip("transformers")
     import torch
