@@ -50,6 +50,7 @@ class ConnectionLoop:
         self._limits = limits
         self._stop = stop
         self._frame_timeout_s = frame_timeout_s
+        self._reserved_stall_s = min(frame_timeout_s, RESERVED_PAYLOAD_STALL_S)
         self._hello_timeout_s = hello_timeout_s
         self._idle_timeout_s = idle_timeout_s
 
@@ -121,7 +122,7 @@ class ConnectionLoop:
                     # else a transient buffer, budget permitting
                     buffer = handler.payload_in_place(session, head, conn.pending_meta) if session.greeted else None
                     if buffer is not None:
-                        sock.settimeout(min(self._frame_timeout_s, RESERVED_PAYLOAD_STALL_S))
+                        sock.settimeout(self._reserved_stall_s)
                         stall_bounded = True
                     else:
                         buffer = buffers.payload_buffer(session, head.payload_len)
@@ -137,7 +138,7 @@ class ConnectionLoop:
                     receive_some(sock, conn)
                 except socket.timeout:
                     if session.put_reservation is not None:
-                        raise _ReservationStalled(min(self._frame_timeout_s, RESERVED_PAYLOAD_STALL_S)) from None
+                        raise _ReservationStalled(self._reserved_stall_s) from None
                     raise
                 continue
             if event is p.CONNECTION_CLOSED:

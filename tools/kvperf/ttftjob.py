@@ -17,10 +17,10 @@ and, from their means, what a pipelined load is judged by::
 
 Each concurrency level (``concurrency=1,8,16``) runs ``max(ttft_prompts,
 level)`` prompts per mode with ``level`` of them in flight (threads), and
-reports mean/p99 times and prompts/s. At concurrency 1 the four modes of each prompt run back to
-back, prompt after prompt, so a machine that slows down for a while slows every mode alike and
-``exposed_load_ms`` (a difference of two means) does not take the drift for the load's. Prompts differ from each other and the
-hot pool is off, so every load comes from the daemon, through ``ttft_transport``
+reports mean/p99 times and prompts/s. At concurrency 1 the four modes of each prompt run back
+to back, prompt after prompt, so a machine that slows down for a while slows every mode alike
+and ``exposed_load_ms`` (a difference of two means) does not take the drift for the load's.
+Prompts differ from each other and the hot pool is off, so every load comes from the daemon, through ``ttft_transport``
 (the stored prefixes are flushed first: sealed, as direct reads need); the
 report counts the timed loads' blocks by the transport that carried them. The model is one of the
 random-weight Llamas of :mod:`.models` (no download) unless ``model=`` names
