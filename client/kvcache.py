@@ -309,8 +309,10 @@ class KVCache(AsyncTwins):
 
     def _stream_groups(self, load: PrefixLoad, out, keys: list[bytes], first: int) -> None:
         """Fetch and decode each layer group of the warm blocks in turn (:mod:`.group_streamer`)."""
-        fetch = functools.partial(self._warm.fetch, keys, True, load.transports,
-                                  landing=self._decoder.landing(out, first))  # raw: straight into out
+        landing = self._decoder.landing(out, first)  # raw: straight into out
+
+        def fetch(groups: list[int], count_blocks: bool, blocks: int | None = None) -> list:
+            return self._warm.fetch(keys[:blocks], True, load.transports, groups, count_blocks=count_blocks, landing=landing)
         stream_groups(load, out, first, fetch, self._decoder, self._group_fetches, lambda: self._keep_hot(
             keys, lambda slot, i: copy_tensor(slot, out[:, :, 0, :, self._block_tokens(first + i)])))
 
