@@ -202,6 +202,42 @@ def test_corrupt_block_is_reported_and_recomputed(model_dir, kvtierd):
         b.close()
 
 
+def test_a_step_whose_load_failed_saves_nothing_until_it_is_recomputed(model_dir, kvtierd):
+    """Blocks computed in the step of a failed load ran over a page the block never reached: none
+    is stored under its key (the daemon keeps the first), and the recompute's blocks are."""
+    prompt = fresh_prompt(4 * BLOCK_TOKENS + 4)
+    a, b = Engine(config(model_dir, kvtierd)), Engine(config(model_dir, kvtierd))
+    try:
+        a.add(make_request("a1", prompt[:2 * BLOCK_TOKENS + 4]))
+        a.step()
+        a.settle()
+        plant_bad_block(a, kvtierd, prompt, 1)
+        keys = a.worker.key_namespace(None, None, 0).keys(prompt)[:4]
+
+        b.add(make_request("b1", prompt))
+        out, errors = b.step()
+        b_ids = b.block_ids("b1")
+        assert errors == {b_ids[1]}
+        assert [(op.first_block, op.num_blocks) for op in out.kv_connector_metadata.saves] == [(2, 2)]
+        b.settle()
+        with BlockClient(kvtierd.data_addr) as client:
+            assert client.get_many(keys[2:]) == [None, None]
+        assert b.worker.statistics()["skipped_saves"] == 2
+        assert sum(s.data["skipped_saves"] for s in b.stats if s is not None) == 2
+
+        out, errors = b.step()  # vLLM recomputes from the failed block; those blocks are saved
+        assert not errors
+        assert [(op.first_block, op.num_blocks) for op in out.kv_connector_metadata.saves] == [(1, 3)]
+        b.settle()
+        for i in range(4):
+            assert torch.equal(b.page(b_ids[i]), b.expected_page(prompt, i)), f"block {i}"
+        with KVCache(a.worker.caches_namespace(None, None), kvtierd.data_addr, hot_pool_bytes=0) as cache:
+            assert all(block is not None for block in cache.load_blocks(keys))
+    finally:
+        a.close()
+        b.close()
+
+
 def plant_bad_block(engine: Engine, kvtierd, prompt, index: int) -> bytes:
     """Replace stored block ``index`` of ``prompt`` by a well-formed frame (CRCs correct)
     whose payload is cut short - what a torn or foreign write would leave. LOOKUP still

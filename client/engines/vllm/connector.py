@@ -330,14 +330,22 @@ class KVTierConnector(KVConnectorBase_V1):
         self._saves_meta = meta
 
     def wait_for_save(self):
-        """Complete this step's sync loads, then enqueue its saves (never waits for a PUT)."""
-        if self._loads is not None:
-            self._loads.finish_sync()
+        """Complete this step's sync loads, then enqueue its saves (never waits for a PUT).
+
+        A step whose sync load failed saves nothing: its forward ran over pages the failed
+        blocks were never written into (those of the request and of any other that shares
+        them through vLLM's prefix cache), and the daemon keeps the first block put under a
+        key. vLLM recomputes from the failed block, and the request's blocks are saved then;
+        the step's other saves are counted (``skipped_saves``) and later misses."""
+        failed = self._loads is not None and self._loads.finish_sync()
         meta = self._metadata()
         if meta is None or not meta.saves or self._saves is None:
             return
-        self._begin_saves(meta)
-        self._saves.submit(meta.saves, self._cache_for, self.tp_rank)
+        if failed:
+            self._saves.skip(meta.saves)
+        else:
+            self._begin_saves(meta)
+            self._saves.submit(meta.saves, self._cache_for, self.tp_rank)
         self._saves_meta = None
 
     def wait_saves_stored(self, timeout_s: float | None = None) -> bool:

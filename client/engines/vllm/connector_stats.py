@@ -14,8 +14,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-COUNTS = ("loaded_blocks", "failed_blocks", "saved_blocks", "failed_saves", "saves_done", "saves_failed",
-          "saves_dropped", "blocks_dropped")
+COUNTS = ("loaded_blocks", "failed_blocks", "saved_blocks", "failed_saves", "skipped_saves", "saves_done",
+          "saves_failed", "saves_dropped", "blocks_dropped")
 
 
 @dataclass

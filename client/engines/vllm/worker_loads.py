@@ -111,11 +111,13 @@ class WorkerLoads:
         for load in self._sync:
             self._scatter(load, layer)
 
-    def finish_sync(self) -> None:
-        """Complete this step's sync loads: the layers no hook asked for, and their errors."""
+    def finish_sync(self) -> bool:
+        """Complete this step's sync loads: the layers no hook asked for, and their errors.
+        Whether any of them failed (a block was not written into vLLM's cache)."""
         loads, self._sync = self._sync, []
         for load in loads:
             self._complete(load)
+        return any(load.bad_ids for load in loads)
 
     def poll(self) -> set[str]:
         """Requests whose async fetch is done: scattered, errors recorded (never waits)."""

@@ -43,7 +43,7 @@ class WorkerSaves:
         self._idle: list[torch.Tensor] = []
         self._gathered: set[int] = set()
         self._block_ids: list[int] = []
-        self.counters = {"saved_blocks": 0, "failed_saves": 0}
+        self.counters = {"saved_blocks": 0, "failed_saves": 0, "skipped_saves": 0}
 
     def begin(self, block_ids: list[int]) -> None:
         """The step's save blocks, in op order (call once per step, before any gather)."""
@@ -82,6 +82,14 @@ class WorkerSaves:
                 logger.warning("kvtier save of %d blocks not queued (%s); they will be misses", op.num_blocks, exc)
         self._lent.append((staging, step_saves))  # the saves read it until they are done
         self._staging = None
+        self._block_ids = []
+
+    def skip(self, ops) -> None:
+        """Save none of the step's blocks (what was gathered stays in this step's staging buffer,
+        which the next step reuses)."""
+        blocks = sum(op.num_blocks for op in ops)
+        self.counters["skipped_saves"] += blocks
+        logger.warning("kvtier did not save %d blocks of a step whose load failed; they will be misses", blocks)
         self._block_ids = []
 
     def wait_stored(self, timeout_s: float | None = None) -> bool:
