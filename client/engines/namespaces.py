@@ -5,7 +5,8 @@ block can only ever be found by a request whose KV it really is:
 
     base      model, KV layout, codec, operator tenant      (from the config)
     + request tenant_salt <- the request's cache_salt        (per-user isolation)
-              extra lora  <- the LoRA adapter's name         (adapters change K and V)
+              extra lora  <- the LoRA adapter's name and path (adapters change K and V; a name
+                                                        re-pointed at other weights is another one)
     + shard   extra tp="rank/size" (and pp="rank/size")      each rank stores its own heads
 
 Two namespaces are derived per request, for two jobs::
@@ -59,6 +60,15 @@ def request_namespace(shard: Namespace, cache_salt: str | None, lora_name: str |
     if lora_name:
         ns = ns.with_extra(lora=str(lora_name))
     return ns
+
+
+def adapter_identity(lora_name: str | None, lora_path: str | None = None) -> str | None:
+    """The part of a namespace that names one LoRA adapter: its name, with the path of its
+    weights where the engine gives one (as a JSON pair: no choice of either collides with
+    another combination). None without an adapter."""
+    if not lora_name:
+        return None
+    return json.dumps([str(lora_name), str(lora_path)], separators=(",", ":")) if lora_path else str(lora_name)
 
 
 def key_namespace(tenant: Namespace, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> Namespace:

@@ -102,6 +102,51 @@ def test_cache_salt_and_lora_separate_namespaces(model_dir, kvtierd):
     conn.shutdown()
 
 
+def test_a_lora_name_re_pointed_at_other_weights_is_another_namespace(model_dir, kvtierd):
+    from vllm.lora.request import LoRARequest
+
+    cfg = config(model_dir, kvtierd)
+    conn = make_scheduler(cfg, make_kv_cache_config(cfg)).connector
+    toks = fresh_prompt(80)
+    v1, v2 = LoRARequest("sql", 1, "/adapters/sql-v1"), LoRARequest("sql", 2, "/adapters/sql-v2")
+    assert conn.get_num_new_matched_tokens(make_request("v1", toks, lora_request=v1), 0) == (0, False)
+    state = conn._requests["v1"]
+    tenant = conn.caches_namespace(state.cache_salt, state.lora_name)
+    keys = conn.key_namespace(state.cache_salt, state.lora_name, 0).keys(toks)[:2]
+    with KVCache(tenant, kvtierd.data_addr, hot_pool_bytes=0) as cache:
+        assert cache.store_blocks(keys, [torch.randn(tenant.layout.block_shape).half() for _ in keys]) == 2
+    assert conn.get_num_new_matched_tokens(make_request("v1-again", toks, lora_request=v1), 0) == (64, False)
+    assert conn.get_num_new_matched_tokens(make_request("v2", toks, lora_request=v2), 0) == (0, False)
+    conn.shutdown()
+
+
+def test_prompts_given_partly_as_embeddings_are_neither_loaded_nor_saved(model_dir, kvtierd):
+    cfg = config(model_dir, kvtierd)
+    conn = make_scheduler(cfg, make_kv_cache_config(cfg)).connector
+    toks = fresh_prompt(80)
+    store_random_blocks(conn, toks, 2)
+    assert conn.get_num_new_matched_tokens(make_request("ids", toks), 0) == (64, False)
+    mixed = make_request("mixed", toks)
+    mixed.prompt_embeds = torch.randn(len(toks), 256)  # what vLLM sets for a mixed prompt-embeds request
+    assert conn.get_num_new_matched_tokens(mixed, 0) == (0, False)
+    assert "mixed" not in conn._requests
+    conn.shutdown()
+
+
+def test_revision_and_quantization_enter_the_namespace(model_dir, kvtierd):
+    cfg = config(model_dir, kvtierd)
+    plain = make_scheduler(cfg, make_kv_cache_config(cfg)).connector
+    cfg.model_config.revision = "v2"
+    revised = make_scheduler(cfg, make_kv_cache_config(cfg)).connector
+    try:
+        assert dict(revised.base_namespace.extra)["revision"] == "v2"
+        assert "revision" not in dict(plain.base_namespace.extra)
+        assert revised.base_namespace.id != plain.base_namespace.id
+    finally:
+        plain.shutdown()
+        revised.shutdown()
+
+
 def test_local_hit_is_not_looked_up_again(model_dir, kvtierd):
     """Blocks vLLM computed itself count; the LOOKUP covers only the rest."""
     cfg = config(model_dir, kvtierd)

@@ -61,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.client.engines.namespaces import key_namespace, request_namespace
+from kvtier.client.engines.namespaces import adapter_identity, key_namespace, request_namespace
 from kvtier.client.engines.vllm.connector_stats import KVTierConnectorStats, delta
 from kvtier.client.engines.vllm.paged_views import PagedGeometry, paged_layout, paged_view
 from kvtier.client.engines.vllm.scheduler_plan import (
@@ -118,8 +118,12 @@ class KVTierConnector(KVConnectorBase_V1):
         dtype = str(spec.dtype).removeprefix("torch.")
         self.geometry = PagedGeometry(spec.num_kv_heads, spec.block_size, spec.head_size, dtype)
         layout = KVLayout(len(self._layer_names), spec.num_kv_heads, spec.head_size, dtype, spec.block_size)
-        model = self.settings.model_id or vllm_config.model_config.model
+        model_config = vllm_config.model_config
+        model = self.settings.model_id or model_config.model
         extra = {"engine_page": "vllm-cpu"} if self.page_family == "cpu" else {}
+        for name in ("revision", "quantization"):  # other weights under the same model name
+            if getattr(model_config, name, None):
+                extra[name] = str(getattr(model_config, name))
         self.base_namespace = Namespace(model, layout, self.settings.codec, self.settings.tenant, extra)
         self._requests: dict[str, RequestState] = {}
         self.caches: TenantCaches | None = None
@@ -264,11 +268,13 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _state_for(self, request: "Request") -> RequestState | None:
         """The request's state, or None when its tokens do not determine its KV."""
-        if request.prompt_token_ids is None or getattr(request, "mm_features", None):
-            return None
+        if request.prompt_token_ids is None or getattr(request, "mm_features", None) \
+                or getattr(request, "prompt_embeds", None) is not None:
+            return None  # positions given as embeddings read as token 0 in the ids
         state = self._requests.get(request.request_id)
         if state is None:
-            lora = request.lora_request.lora_name if request.lora_request is not None else None
+            adapter = request.lora_request
+            lora = None if adapter is None else adapter_identity(adapter.lora_name, getattr(adapter, "lora_path", None))
             state = RequestState(request.request_id, request.cache_salt, lora, len(request.prompt_token_ids))
             state.chains = tuple(self.key_namespace(state.cache_salt, lora, r).key_chain()
                                  for r in range(self.tp_size))
