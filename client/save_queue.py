@@ -42,26 +42,28 @@ class SaveQueue:
     def submit(self, nbytes: int, blocks: int, save: Callable[[], int],
                on_drop: Callable[[], None] | None = None) -> Future:
         """Run ``save`` (returns the blocks stored) in the background if ``nbytes`` fit; else
-        drop it: ``on_drop`` runs at once (to give its buffers back) and the future holds 0."""
+        drop it: ``on_drop`` runs at once (to give its buffers back) and the future holds 0.
+        A closed queue raises RuntimeError, after ``on_drop``."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("save queue is closed")
+            closed = self._closed
             # one save is always let in when none is queued, or a save larger than the
             # limit could never be stored
-            fits = self._bytes + nbytes <= self.bytes_max or self._queued == 0
+            fits = not closed and (self._bytes + nbytes <= self.bytes_max or self._queued == 0)
             if fits:
                 self._bytes += nbytes
                 self._queued += 1
-            else:
+                # under the lock: close() cannot shut the worker down between the count and the submit
+                return self._worker.submit(self._run, nbytes, save)
+            if not closed:
                 self._dropped += 1
                 self._blocks_dropped += blocks
-        if not fits:
-            if on_drop is not None:
-                on_drop()
-            dropped: Future = Future()
-            dropped.set_result(0)
-            return dropped
-        return self._worker.submit(self._run, nbytes, save)
+        if on_drop is not None:
+            on_drop()
+        if closed:
+            raise RuntimeError("save queue is closed")
+        dropped: Future = Future()
+        dropped.set_result(0)
+        return dropped
 
     def _run(self, nbytes: int, save: Callable[[], int]) -> int:
         ok = False

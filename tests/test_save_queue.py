@@ -66,3 +66,40 @@ def test_a_failed_save_is_counted_and_raised_on_its_future():
 def test_bad_limit():
     with pytest.raises(ValueError, match="positive"):
         SaveQueue(bytes_max=0)
+
+
+def test_a_save_refused_by_a_closed_queue_gives_its_buffers_back():
+    queue = SaveQueue(bytes_max=100)
+    queue.close()
+    given_back = []
+    with pytest.raises(RuntimeError, match="closed"):
+        queue.submit(10, 1, lambda: 1, on_drop=lambda: given_back.append(1))
+    assert given_back == [1]
+    stats = queue.statistics()
+    assert (stats.saves_queued, stats.bytes_queued, stats.saves_dropped) == (0, 0, 0)
+
+
+def test_saves_racing_close_are_each_run_or_refused_and_leave_no_count_behind():
+    queue = SaveQueue(bytes_max=1 << 30)
+    ran, refused, futures = [], [], []
+    go = threading.Event()
+
+    def submitter(n: int) -> None:
+        go.wait(10)
+        for i in range(200):
+            try:
+                futures.append(queue.submit(1, 1, lambda: ran.append(1) or 1))
+            except RuntimeError:
+                refused.append((n, i))
+
+    threads = [threading.Thread(target=submitter, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    go.set()
+    queue.close()
+    for thread in threads:
+        thread.join(10)
+    assert all(f.done() for f in futures) and len(ran) == len(futures)
+    assert len(futures) + len(refused) == 800
+    stats = queue.statistics()
+    assert (stats.saves_queued, stats.bytes_queued, stats.saves_done) == (0, 0, len(futures))

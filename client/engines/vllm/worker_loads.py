@@ -69,6 +69,9 @@ class PendingLoad:
         except IO_ERRORS as exc:
             logger.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them", len(self.block_ids), exc)
             blocks, self.reachable = [None] * len(self.block_ids), False
+        except Exception:  # noqa: BLE001 -- e.g. its tenant's cache closed under it: never the step's crash
+            logger.exception("kvtier load of %d blocks failed; vLLM recomputes them", len(self.block_ids))
+            blocks, self.reachable = [None] * len(self.block_ids), False
         good, seen = [], set()
         for key, block_id, block in zip(self.keys, self.block_ids, blocks):
             if block is None:

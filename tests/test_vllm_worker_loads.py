@@ -1,0 +1,56 @@
+"""The vLLM worker's loads without vLLM: a load that fails for any reason is a load error that
+vLLM recomputes, never an exception out of the step."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier.client.engines.vllm.worker_loads import WorkerLoads  # noqa: E402
+from kvtier.client.kvcache import KVCache  # noqa: E402
+from kvtier.common.keys import KVLayout, Namespace  # noqa: E402
+from kvtier.kernels.paged import HND  # noqa: E402
+
+from daemon_proc import start_kvtierd  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = start_kvtierd(tmp_path)
+    yield d
+    d.stop()
+
+
+def test_a_load_whose_cache_fails_under_it_is_a_load_error_not_a_crash(daemon):
+    views = [torch.zeros(8, 2, 2, 16, 8, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]  # HND pages
+    discarded = []
+    loads = WorkerLoads(views, HND, discarded.append)
+    keys = [bytes([i]) * 16 for i in range(1, 3)]
+    with KVCache(Namespace("vllm-loads", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+        cache.store_blocks(keys, [torch.ones(LAYOUT.block_shape, dtype=torch.float16) for _ in keys])
+
+        def closed_under_it(keys):  # what a load meets when its tenant's cache is retired mid-way
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        cache.load_blocks = closed_under_it
+        loads.start("r1", cache, keys, [3, 5], is_async=False)
+        loads.wait_layer(0)
+        assert loads.finish_sync() is True
+    assert loads.take_errors() == {3, 5}
+    assert discarded == []  # not a bad block: nothing to delete
+    assert all(not view[[3, 5]].any() for view in views)
+    loads.close()
+
+
+def test_finish_sync_says_whether_the_steps_loads_failed(daemon):
+    views = [torch.zeros(8, 2, 2, 16, 8, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]
+    loads = WorkerLoads(views, HND, lambda keys: None)
+    keys = [bytes([i]) * 16 for i in range(10, 12)]
+    with KVCache(Namespace("vllm-loads-ok", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+        cache.store_blocks(keys, [torch.ones(LAYOUT.block_shape, dtype=torch.float16) for _ in keys])
+        loads.start("r1", cache, keys, [1, 2], is_async=False)
+        assert loads.finish_sync() is False
+        loads.start("r2", cache, keys + [bytes([99]) * 16], [1, 2, 4], is_async=False)
+        assert loads.finish_sync() is True
+    assert loads.take_errors() == {4}
+    assert all(view[[1, 2]].eq(1).all() for view in views)
+    loads.close()
