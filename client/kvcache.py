@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 from kvtier.kernels import MixedCodec, get_codec
+from kvtier.wire import events as p
 
 from .async_twins import AsyncTwins
 from .block_decoder import BlockDecoder
@@ -484,6 +485,24 @@ class KVCache(AsyncTwins):
                 _release(built)
         return self._saves.submit(sum(group.nbytes for group in built), len(keys), save,
                                   on_drop=lambda: _release(built))
+
+    def delete_blocks_async(self, keys: Sequence[bytes]) -> Future:
+        """Delete ``keys``' blocks (every layer group, on every owner) in the background, after the
+        saves queued so far: for blocks that failed to load, so that the recomputed blocks saved
+        after this replace them (a daemon keeps the first block put under a key). The future
+        holds the objects deleted, 0 where that failed (logged). Raises ClientError once closed."""
+        keys = list(keys)
+
+        def delete() -> int:
+            try:
+                return self._warm.delete(keys)
+            except (p.ClientError, OSError) as exc:
+                log.warning("event=delete_failed blocks=%d error=%s", len(keys), exc)
+                return 0
+        try:
+            return self._saves.then(delete)
+        except RuntimeError:
+            raise p.ClientError("the cache is closed") from None
 
     def _check_blocks(self, keys: list[bytes], blocks: Sequence) -> None:
         if len(keys) != len(blocks):

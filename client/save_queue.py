@@ -65,6 +65,14 @@ class SaveQueue:
         dropped.set_result(0)
         return dropped
 
+    def then(self, task: Callable[[], object]) -> Future:
+        """Run ``task`` on the worker after every save accepted so far (it is not a save: not
+        counted). A closed queue raises RuntimeError."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("save queue is closed")
+            return self._worker.submit(task)
+
     def _run(self, nbytes: int, save: Callable[[], int]) -> int:
         ok = False
         try:

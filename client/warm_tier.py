@@ -178,6 +178,25 @@ class WarmTier:
         log.warning("event=owner_failed op=%s node=%s error=%s", what, batch.node_of(j), exc)
         return exc
 
+    # --- delete ------------------------------------------------------------------
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete every layer group of ``keys``' blocks on each of their owners among the live
+        members; returns how many objects were deleted. An owner that fails is logged and
+        skipped (its copy is deleted by a later failure, or ages out)."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        deleted = 0
+        with self._placement(keys) as (batch, place):
+            for col in range(place.shape[1]):
+                for j, idx in self._owned(place, list(range(len(keys))), col).items():
+                    objects = self.objects_of([keys[i] for i in idx])
+                    try:
+                        deleted += sum(batch.call(j, lambda d, objects=objects: d.client.delete_many(objects)))
+                    except OWNER_ERRORS as exc:
+                        self._owner_failed(batch, j, exc, "delete")
+        return deleted
+
     # --- fetch -------------------------------------------------------------------
     def fetch(self, keys: list[bytes], prefix_only: bool, transports: dict[str, int],
               groups: Sequence[int] | None = None, count_blocks: bool = True, landing: Landing | None = None) -> list:

@@ -137,6 +137,18 @@ def test_read_repair_puts_a_block_back_on_its_first_owner(cluster):
         assert cache.statistics().warm.repairs == len(lost)
 
 
+def test_deleted_blocks_leave_every_owner_on_an_etcd_cluster(cluster):
+    etcd_server, daemons = cluster
+    with open_cache(etcd_server, "delete") as cache:
+        keys = cache.keys_for(list(range(8000, 8000 + 12 * 8)))
+        cache.store_blocks(keys, [torch.randn(LAYOUT.block_shape).half() for _ in keys], durable=True)
+        view, _ = placement_of(cache, keys)
+        assert sum(sum(held_by(a, keys)) for a in view.addresses) == 2 * len(keys)
+        assert cache.delete_blocks_async(keys[:5]).result(30) == 2 * 5
+        held = np.array([held_by(a, keys) for a in view.addresses])
+        assert not held[:, :5].any() and (held[:, 5:].sum(axis=0) == 2).all()
+
+
 def test_static_list_keeps_one_owner_per_block(tmp_path):
     daemons = [start_kvtierd(tmp_path / f"d{i}") for i in range(2)]
     try:

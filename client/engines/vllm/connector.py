@@ -410,19 +410,15 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierConnectorMetadata), type(meta)
         return meta
 
-    def _discard(self, keys: list[bytes]) -> None:
-        """Delete blocks that LOOKUP reported but that failed to load or validate.
-
-        The daemon keeps the first block put under a key, so a bad block would
-        otherwise shadow the good one vLLM is about to recompute and save."""
-        from kvtier.client import BlockClient
-
-        for address in self.settings.addresses:  # the owner deletes; the others hold nothing
-            try:
-                with BlockClient(address, token=self.settings.token) as client:
-                    client.delete_many(keys)
-            except IO_ERRORS as exc:
-                logger.warning("kvtier could not delete %d bad blocks on %s (%s)", len(keys), address, exc)
+    def _discard(self, cache: KVCache, keys: list[bytes]) -> None:
+        """Delete blocks that LOOKUP reported but that failed to load or validate, off the step:
+        on the tenant cache's save queue, ahead of the recomputed blocks' saves. The daemon
+        keeps the first block put under a key, so a bad block would otherwise shadow the good
+        one vLLM is about to recompute and save."""
+        try:
+            cache.delete_blocks_async(keys)
+        except IO_ERRORS as exc:  # the cache closed meanwhile
+            logger.warning("kvtier could not delete %d bad blocks (%s)", len(keys), exc)
 
 
 def _single_attention_group(kv_cache_config: "KVCacheConfig"):

@@ -43,6 +43,7 @@ class PendingLoad:
     """One request's load on the worker."""
 
     req_id: str
+    cache: object  # the tenant's KVCache the blocks are fetched from
     keys: list[bytes]
     block_ids: list[int]
     future: Future
@@ -89,7 +90,7 @@ class WorkerLoads:
     """The loads in flight on one worker; see the module doc."""
 
     def __init__(self, views: Sequence[torch.Tensor], layout: PagedLayout,
-                 discard: Callable[[list[bytes]], None], workers: int = LOAD_WORKERS_MAX) -> None:
+                 discard: Callable[[object, list[bytes]], None], workers: int = LOAD_WORKERS_MAX) -> None:
         self._views = list(views)
         self._layout = layout
         self._discard = discard
@@ -101,7 +102,7 @@ class WorkerLoads:
 
     def start(self, req_id: str, cache, keys: list[bytes], block_ids: list[int], is_async: bool) -> None:
         """Start the fetch of ``keys`` (into ``block_ids``); never waits."""
-        load = PendingLoad(req_id, list(keys), list(block_ids), self._executor.submit(cache.load_blocks, keys),
+        load = PendingLoad(req_id, cache, list(keys), list(block_ids), self._executor.submit(cache.load_blocks, keys),
                            is_async, set(range(len(self._views))))
         if is_async:
             assert req_id not in self._async, f"second async load for request {req_id}"
@@ -149,7 +150,7 @@ class WorkerLoads:
         self.counters["loaded_blocks"] += len(load.good_ids)
         self.counters["failed_blocks"] += len(load.block_ids) - len(load.good_ids)
         if load.bad_keys and load.reachable:
-            self._discard(load.bad_keys)
+            self._discard(load.cache, load.bad_keys)
 
     def wait_fetched(self, timeout_s: float | None = None) -> bool:
         """Wait until every fetch in flight has its blocks (not scattered yet); False on
