@@ -394,11 +394,16 @@ def write_summary(array: StripedArray, image: memoryview, region: int, generatio
 
 
 def read_region_entries(array: StripedArray, region: int, region_size_bytes: int, base_seq: int) -> np.ndarray:
-    """A sealed region's summary entries; if its summary was damaged since, its blocks, scanned."""
+    """A sealed region's summary entries; if its summary was damaged since, or is not this use's
+    (a region recovered open whose summary the device refused still ends in its previous use's
+    trailer), its blocks, scanned."""
     tail = aligned_buffer(ALIGNMENT_BYTES)
     array.read(region * region_size_bytes + region_size_bytes - ALIGNMENT_BYTES, tail)
     try:
         trailer = fmt.decode_trailer(tail[ALIGNMENT_BYTES - fmt.TRAILER_BYTES:])
+        if trailer.region_index != region or trailer.base_seq != base_seq:
+            raise fmt.RegionFormatError(f"region {region}'s trailer is of another use (base_seq "
+                                        f"{trailer.base_seq}, this use's {base_seq})")
         return _read_summary(array, region, region_size_bytes, trailer)
     except fmt.RegionFormatError:
         image = aligned_buffer(region_size_bytes)
