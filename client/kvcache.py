@@ -246,7 +246,9 @@ class KVCache(AsyncTwins):
     def load_blocks_into(self, keys: Sequence[bytes], targets: Sequence) -> list[bool]:
         """:meth:`load_blocks` straight into the caller's ``block_shape`` tensors (views of an
         engine's host pool or paged cache; raw payloads on the host land with one copy, any
-        strides). Per key, whether its target now holds the block; a miss leaves it as it was."""
+        strides). Per key, whether its target now holds the block. A missing or corrupt block
+        leaves its target as it was; one whose later layer group the codec refuses has its
+        earlier groups written: a False target's contents are not the caller's KV either way."""
         keys = list(keys)
         if len(keys) != len(targets):
             raise ValueError(f"{len(keys)} keys but {len(targets)} targets")
