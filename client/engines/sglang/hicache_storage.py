@@ -260,7 +260,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return blocks
 
     def _load_into(self, keys: List[str], pages: list) -> List[bool]:
-        """:meth:`_load` straight into the host pool's page views; a miss leaves its page as it was."""
+        """:meth:`_load` straight into the host pool's page views; a miss's page holds no KV of its key."""
         try:
             ok = self._ready().load_blocks_into(self.keys_of(keys), pages)
         except IO_ERRORS as exc:
