@@ -416,3 +416,34 @@ def test_a_commit_never_writes_a_moved_pinned_block_before_the_entry_that_pins_i
         assert image.durable_entries >= image.flagged_entries
     finally:
         engine.close()
+
+
+def test_a_reclaim_that_crashes_puts_its_victim_back_for_the_next_one(monkeypatch):
+    import kvtier.daemon.engine.region_manager as region_manager
+
+    engine, _, _ = memory_store(regions=6)
+    read_entries, crashed = region_manager.read_region_entries, []
+
+    def crash_once(*args):
+        if not crashed:
+            crashed.append(args[1])
+            raise RuntimeError("a bug in the reclaim")
+        return read_entries(*args)
+    monkeypatch.setattr(region_manager, "read_region_entries", crash_once)
+    refused = 0
+    for i in range(120):
+        try:
+            engine.put(block(i, 12_000))
+        except NoSpaceError as exc:  # the writer that waited on the crashed reclaim hears of it
+            assert "a bug in the reclaim" in str(exc)
+            refused += 1
+    idle(engine)
+    assert crashed and refused <= 1
+    victim = crashed[0]
+    assert victim not in engine._table.reclaiming
+    evicted = engine.statistics().evicted_regions
+    for i in range(120, 240):  # every region, the crashed victim included, is reclaimed again
+        engine.put(block(i, 12_000))
+    assert engine.statistics().evicted_regions - evicted >= 6
+    assert victim not in engine._table.reclaiming
+    engine.close()

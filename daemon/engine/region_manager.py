@@ -220,7 +220,12 @@ class RegionManager:
                                                        self._table.region_count * self._table.region_capacity_bytes)
             tried.add(victim)
             self._table.begin_reclaim(victim)
-            cause = self._reclaim(victim)
+            try:
+                cause = self._reclaim(victim)
+            except BaseException:
+                if victim in self._table.reclaiming:  # a bug: the victim must not stay out of the policy
+                    self._table.abandon_reclaim(victim)
+                raise
             if not cause:
                 self._failures.pop(victim, None)
                 return ""
