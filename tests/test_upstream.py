@@ -196,6 +196,31 @@ def test_absent_everywhere_is_a_miss_and_negative_cached(region, tmp_path):
         edge.stop()
 
 
+def test_an_upstream_that_failed_to_answer_is_asked_again_once_it_is_back(region, tmp_path):
+    """A LOOKUP the upstream could not answer is a miss, not a negative entry: once the upstream
+    is back (past DOWN_BACKOFF_S, inside NEGATIVE_TTL_S) the chain is found there."""
+    from kvtier.daemon.upstream.negative_cache import NEGATIVE_TTL_S
+    from kvtier.daemon.upstream.pull_through import DOWN_BACKOFF_S
+
+    ns, keys, blocks = make_blocks(4)
+    proxy = FrameProxy(region.data_addr)
+    edge = start_edge(tmp_path, proxy.address)
+    try:
+        with BlockClient(region.data_addr) as r, BlockClient(edge.data_addr) as e:
+            r.put_many(list(zip(keys, blocks)), ns_id=ns)
+            proxy.delay_s = 2 * TIMEOUT_MS / 1000  # the upstream answers later than the timeout
+            assert e.lookup(keys, ns_id=ns) == 0
+            failed_at = time.monotonic()
+            proxy.delay_s = 0
+            time.sleep(DOWN_BACKOFF_S + 0.1)
+            assert time.monotonic() - failed_at < NEGATIVE_TTL_S
+            assert e.lookup(keys, ns_id=ns) == 4
+            assert admin_json(edge, "/v1/stats")["upstream"]["negative_hits"] == 0
+    finally:
+        edge.stop()
+        proxy.close()
+
+
 def test_corrupt_block_from_upstream_is_neither_served_nor_stored(region, tmp_path):
     ns, keys, blocks = make_blocks(1)
     proxy = FrameProxy(region.data_addr)

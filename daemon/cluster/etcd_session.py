@@ -90,7 +90,8 @@ class EtcdSession:
     def list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         """Every ``(key, value)`` under ``prefix`` now (one range request)."""
         out = self._post("/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
-        return [(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")))
+        # a key that is not UTF-8 reads with U+FFFD, and its record is then refused as any bad one
+        return [(base64.b64decode(kv["key"]).decode(errors="replace"), base64.b64decode(kv.get("value", "")))
                 for kv in out.get("kvs", [])]
 
     def count_prefix(self, prefix: str) -> int:

@@ -78,17 +78,17 @@ class PullThrough:
         if self.negative.absent(ns_id, keys[:1], self._clock())[0]:
             self.stats.add(negative_hits=1)
             return 0
-        first_absent = len(keys)
+        absent = unanswered = len(keys)  # the first key an owner lacks / the first one it could not answer for
         deadline = time.monotonic() + self.target.timeout_s  # one timeout for the request, whatever the owners
         for client, idx in self.target.owners(keys).items():
             present = self._ask(client, deadline, lambda t: client.lookup([keys[i] for i in idx], ns_id, timeout_s=t))
             if present is None:  # that owner could not answer: the chain ends at its first key
-                first_absent = min(first_absent, idx[0])
+                unanswered = min(unanswered, idx[0])
             elif present < len(idx):
-                first_absent = min(first_absent, idx[present])
-        if first_absent < len(keys):
-            self.negative.add(ns_id, [keys[first_absent]], self._clock())
-        return first_absent
+                absent = min(absent, idx[present])
+        if absent < unanswered:  # only an answer says the upstream lacks a key: a failure is no news
+            self.negative.add(ns_id, [keys[absent]], self._clock())
+        return min(absent, unanswered)
 
     # -- GET --------------------------------------------------------------------
     def fill(self, msg: p.Get, reply: p.GetReply, payload_bytes_max: int) -> p.GetReply:

@@ -95,15 +95,23 @@ class EtcdTarget:
     def _refresh(self) -> None:
         try:
             listed = self._session.list_prefix(self.url.members_prefix)
+            members = tuple(sorted(self._records(listed)))
         except EtcdUnavailable as exc:  # etcd away: keep routing by the last list
             log.warning("event=upstream_members_failed url=%s error=%s", self.text, exc)
             return
-        members = tuple(sorted(self._records(listed)))
+        except Exception:  # noqa: BLE001 -- an answer we cannot read: keep the last list, and the refresher
+            log.exception("event=upstream_members_failed url=%s", self.text)
+            return
         with self._lock:
-            if members != self._members:
-                log.info("event=upstream_members url=%s members=%s", self.text, ",".join(n for n, _ in members))
-                self._members = members
-                self._routing = self._rendezvous_class([n for n, _ in members]) if members else None
+            if members == self._members:
+                return
+            log.info("event=upstream_members url=%s members=%s", self.text, ",".join(n for n, _ in members))
+            self._members = members
+            self._routing = self._rendezvous_class([n for n, _ in members]) if members else None
+            addresses = {address for _, address in members}
+            gone = [self._clients.pop(a) for a in list(self._clients) if a not in addresses]
+        for client in gone:  # members that left (or moved): their pooled connections go with them
+            client.close()
 
     def _records(self, listed) -> list[tuple[str, str]]:
         """(node id, data address) of each valid member record; a bad one is logged and skipped."""
