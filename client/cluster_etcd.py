@@ -104,11 +104,16 @@ class EtcdReader:
 class WatchStream:
     """One watch on a key range, read line by line (each line one JSON watch response)."""
 
-    def __init__(self, host: str, port: int, request: dict) -> None:
+    def __init__(self, host: str, port: int) -> None:
         self._conn = http.client.HTTPConnection(host, port, timeout=WATCH_CONNECT_TIMEOUT_S)
+        self._resp = None
+
+    def open(self, request: dict) -> None:
+        """Connect and start the watch: bounded by WATCH_CONNECT_TIMEOUT_S until etcd has answered
+        its headers, then without a timeout (a watch is quiet while nothing changes; keepalives
+        find a dead peer). :meth:`shutdown` from another thread interrupts it."""
         self._conn.connect()
         sock = self._conn.sock
-        sock.settimeout(None)  # a watch is quiet while nothing changes; keepalives find a dead peer
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for opt, value in (("TCP_KEEPIDLE", TCP_KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", TCP_KEEPALIVE_INTERVAL_S),
                            ("TCP_KEEPCNT", TCP_KEEPALIVE_COUNT)):
@@ -119,6 +124,7 @@ class WatchStream:
         self._resp = self._conn.getresponse()
         if self._resp.status != 200:
             raise EtcdError(f"watch refused: HTTP {self._resp.status} {self._resp.read(512)!r}")
+        sock.settimeout(None)
 
     def next_response(self) -> dict:
         """The next watch response; EtcdError when the stream ends (etcd gone or close())."""
@@ -197,7 +203,9 @@ class EtcdMembers:
         if self._thread is not None:
             longest_s = max(self.reader.timeout_s, WATCH_CONNECT_TIMEOUT_S) * len(self.url.endpoints)
             self._thread.join(longest_s + JOIN_GRACE_S)
-            assert not self._thread.is_alive(), "the members watch did not stop"
+            if self._thread.is_alive():  # a daemon thread: it ends with its next etcd answer or timeout
+                log.error("event=etcd_watch_not_stopped cluster=%s waited_s=%.1f", self.url.text,
+                          longest_s + JOIN_GRACE_S)
         with self._changed:
             self._changed.notify_all()
 
@@ -252,10 +260,13 @@ class EtcdMembers:
     def _watch(self) -> None:
         host, port = self.url.endpoints[self.reader.current]
         request = dict(prefix_range(self.url.members_prefix), start_revision=self._table.revision + 1)
-        stream = WatchStream(host, port, request)
-        self._stream = stream
+        stream = WatchStream(host, port)
+        self._stream = stream  # published first: close() can interrupt its opening too
         try:
             if self._stop.is_set():
+                return
+            stream.open(request)
+            if self._stop.is_set():  # close() came while the stream had no socket to shut down yet
                 return
             while True:
                 result = stream.next_response()

@@ -136,6 +136,13 @@ class MemberTable:
     updates: int = 0
     bad_records: int = 0
     _seeded: bool = False
+    _offset: int = 0  # added to the revision in views, so their version grows even when etcd's went back
+
+    @property
+    def version(self) -> int:
+        """The version of the views: etcd's revision, plus what keeps it growing across a reset
+        to an earlier revision (etcd restarted without its data, or rebuilt)."""
+        return self.revision + self._offset
 
     def reset(self, kvs: Iterable[tuple[str, bytes, int]], revision: int) -> bool:
         """A full read: (key, value, lease id) of every member key at ``revision``. True when
@@ -146,7 +153,9 @@ class MemberTable:
             if member is not None:
                 fresh[member.node_id] = member
         changed = self._count_changes(fresh)
-        self.members, self.revision, self._seeded = fresh, max(revision, self.revision), True
+        if revision < self.revision:  # an earlier history: the watch must start from this one's revision
+            self._offset = self.version + 1 - revision
+        self.members, self.revision, self._seeded = fresh, revision, True
         return changed
 
     def put(self, key: str, value: bytes, lease: int, revision: int) -> bool:
@@ -178,7 +187,7 @@ class MemberTable:
         return True
 
     def view(self, stale: bool = False) -> MemberView:
-        return MemberView(tuple(self.members[n] for n in sorted(self.members)), self.revision, self.url.text, stale)
+        return MemberView(tuple(self.members[n] for n in sorted(self.members)), self.version, self.url.text, stale)
 
     def _decode(self, key: str, value: bytes, lease: int) -> Member | None:
         try:

@@ -135,6 +135,79 @@ def test_etcd_back_without_the_lease_the_daemon_re_registers(tmp_path):
             second.stop()
 
 
+def test_a_client_view_follows_an_etcd_that_came_back_without_its_data(tmp_path):
+    """etcd restarted empty: its revisions start again below the ones the client saw. The view
+    takes the members the daemons register anew, follows later joins, and its version grows."""
+    import base64
+    import json
+
+    reason = etcd_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    first = EtcdServer(tmp_path / "etcd1")
+    for i in range(200):  # an etcd that has run a while
+        body = json.dumps({"key": base64.b64encode(f"/other/{i}".encode()).decode(), "value": "eA=="}).encode()
+        urllib.request.urlopen(urllib.request.Request(f"http://{first.endpoint}/v3/kv/put", data=body), timeout=5)
+    a = start_member(tmp_path, first, "node-a")
+    members = open_members(first.url())
+    second = b = None
+    try:
+        before, _ = wait_members(members, lambda v: v.node_ids == ("node-a",))
+        first.kill()
+        wait_members(members, lambda v: v.stale)
+        second = EtcdServer(tmp_path / "etcd2", client_port=first.client_port)  # its data lost
+        view, _ = wait_members(members, lambda v: not v.stale and v.node_ids == ("node-a",), timeout_s=15)
+        b = start_member(tmp_path, second, "node-b")
+        later, _ = wait_members(members, lambda v: v.node_ids == ("node-a", "node-b"), timeout_s=10)
+        assert before.version < view.version < later.version
+    finally:
+        members.close()
+        for d in (a, b):
+            if d is not None:
+                d.stop()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_closing_a_view_whose_watch_etcd_never_answers_is_prompt():
+    """An etcd (or gateway) that answers reads but hangs on the watch: close() interrupts it."""
+    import http.server
+    import json
+    import threading
+
+    class HangingWatch(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path.endswith("/watch"):
+                time.sleep(30)
+                return
+            body = json.dumps({"header": {"revision": "5"}, "kvs": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HangingWatch)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        members = open_members(f"etcd://127.0.0.1:{server.server_address[1]}/kvtier")
+        time.sleep(0.3)  # the watch thread is waiting for etcd's answer
+        started = time.monotonic()
+        members.close()
+        assert time.monotonic() - started < 1.0
+        assert not members._thread.is_alive()
+    finally:
+        server.shutdown()
+
+
 def test_client_view_watches_joins_and_leaves(etcd, tmp_path):
     members = open_members(etcd.url())
     started = []

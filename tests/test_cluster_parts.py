@@ -152,6 +152,16 @@ def test_member_table_snapshot_then_events_in_order():
     assert (t.view().node_ids, t.joins, t.leaves) == (("c", "e"), 2, 2)
 
 
+def test_member_table_after_etcd_lost_its_data_watches_from_the_new_revision_and_keeps_growing():
+    t = MemberTable(URL)
+    t.reset([(*_rec("a", 1), 10)], revision=200)
+    assert t.reset([(*_rec("b", 2), 3)], revision=5)  # etcd restarted empty: a lower revision
+    v = t.view()
+    assert t.revision == 5 and v.version > 200 and v.node_ids == ("b",)
+    assert t.put(*_rec("c", 3), 4, revision=6)
+    assert t.view().version == v.version + 1
+
+
 def test_member_table_skips_a_record_under_another_name():
     t = MemberTable(URL)
     key, _ = _rec("a", 1)
