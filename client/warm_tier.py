@@ -452,11 +452,17 @@ class WarmTier:
     def send(self, keys: Sequence[bytes], objects: Sequence[Sequence[memoryview]], durable: bool) -> int:
         """PUT each block's objects (``objects[g][i]``: group g of block i) to all its owners
         in parallel. Acknowledged when one owner of every block took it (every owner, when
-        ``durable``); else :class:`~.owner_pool.WriteQuorumError` names the nodes that failed."""
+        ``durable``); else :class:`~.owner_pool.WriteQuorumError` names the nodes that failed.
+        A durable PUT needs ``replicas`` owners: with fewer live members it is refused before
+        anything is sent."""
         keys = list(keys)
         if not keys:
             return 0
         with self._placement(keys) as (batch, place):
+            if durable and place.shape[1] < self.replicas:
+                raise WriteQuorumError(f"a durable PUT needs {self.replicas} owners of every block (replicas="
+                                       f"{self.replicas}); the cluster {batch.view.source} has {len(batch.view)} "
+                                       "live members")
             group_keys = [self.objects_of(keys, [g]) for g in range(len(objects))]
             # a buffered PUT skips owners in backoff where a key has another owner to take it
             skip = np.zeros(place.shape, dtype=bool)

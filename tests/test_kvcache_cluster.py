@@ -113,6 +113,20 @@ def test_durable_put_needs_every_owner_and_buffered_one(cluster):
         assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
 
 
+def test_a_durable_put_with_fewer_live_members_than_replicas_is_refused_and_stores_nothing(cluster):
+    etcd_server, daemons = cluster
+    with open_cache(etcd_server, "quorum-members") as cache:
+        keys = cache.keys_for(list(range(1200, 1200 + 4 * 8)))
+        blocks = [torch.randn(LAYOUT.block_shape).half() for _ in keys]
+        for name in NODES[1:]:
+            assert daemons[name].stop() == 0  # they leave the view at once (their keys are deleted)
+        wait_members(cache._warm.pool.members, lambda v: v.node_ids == NODES[:1])
+        with pytest.raises(WriteQuorumError, match="needs 2 owners.*has 1 live members"):
+            cache.store_blocks(keys, blocks, durable=True)
+        assert held_by(daemons[NODES[0]].data_addr, keys) == [False] * len(keys)
+        assert cache.store_blocks(keys, blocks) == len(keys)  # buffered: one owner is enough
+
+
 def test_read_repair_puts_a_block_back_on_its_first_owner(cluster):
     etcd_server, daemons = cluster
     tokens = list(range(7000, 7000 + BLOCKS * 8))
