@@ -61,6 +61,7 @@ from kvtier.daemon.preplace.settings import (PREPLACE_BYTES_DEFAULT, PREPLACE_IN
 EMBEDDED_DEVICE_COUNT = 4  # the embedded default: 4 file-backed devices, RAID0
 EMBEDDED_DEVICE_SIZE_BYTES = 1 << 30  # 1 GiB each: room to try kvtier without a disk to spare
 MAX_CONNECTIONS_LIMIT = 65536  # one thread per connection: beyond this, use more daemons
+TIMEOUT_S_MAX = 7 * 24 * 3600.0  # frame and idle timeouts: a socket timeout and a poll() in ms must hold them
 REINSERT_HITS_MAX = HITS_MAX  # the engine counts reads in one byte per index slot
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTIONS = EVICTION_POLICIES
@@ -177,10 +178,9 @@ class DaemonConfig:
         if not 1 <= self.max_connections_per_peer <= MAX_CONNECTIONS_LIMIT:
             raise ConfigError(f"max_connections_per_peer: {self.max_connections_per_peer} is outside "
                               f"1..{MAX_CONNECTIONS_LIMIT}")
-        if not self.frame_timeout_s > 0:
-            raise ConfigError(f"frame_timeout: must be positive, got {self.frame_timeout_s}")
-        if not self.idle_timeout_s > 0:
-            raise ConfigError(f"idle_timeout: must be positive, got {self.idle_timeout_s}")
+        for name, seconds in (("frame_timeout", self.frame_timeout_s), ("idle_timeout", self.idle_timeout_s)):
+            if not 0 < seconds <= TIMEOUT_S_MAX:
+                raise ConfigError(f"{name}: must be positive and at most {TIMEOUT_S_MAX:.0f} s (7 days), got {seconds}")
         host, _ = self.listen_address
         if self.admin != "none":
             parse_listen_address(self.admin, "admin")

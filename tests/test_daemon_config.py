@@ -45,6 +45,21 @@ def test_bad_settings_name_themselves(tmp_path):
         config_from_args(["--force"])
 
 
+@pytest.mark.parametrize("flag, value", [("--idle-timeout", "2592000"), ("--idle-timeout", "inf"),
+                                         ("--frame-timeout", "inf"), ("--frame-timeout", "1e10"),
+                                         ("--frame-timeout", "nan"), ("--idle-timeout", "0")])
+def test_timeouts_a_socket_cannot_hold_are_refused(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag[2:].replace('-', '_')}: must be positive and at most"):
+        config_from_args([flag, value])
+
+
+def test_a_timeout_of_inf_in_the_config_file_is_refused(tmp_path):
+    cfg_file = tmp_path / "k.toml"
+    cfg_file.write_text("idle_timeout = inf\n")
+    with pytest.raises(ConfigError, match="idle_timeout: must be positive and at most"):
+        config_from_args(["--config", str(cfg_file)])
+
+
 def test_redacted_config_and_token_file(tmp_path):
     token = tmp_path / "token"
     token.write_text("  s3cret \n")
