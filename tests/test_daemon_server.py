@@ -2,6 +2,7 @@
 settings the command line does not expose (a small reply payload limit)."""
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -432,9 +433,87 @@ def test_a_put_stalled_mid_payload_in_the_open_region_is_closed_soon_and_others_
         server.stop()
 
 
+def trickle(s: socket.socket, data: bytes, every_s: float, stop: threading.Event) -> threading.Thread:
+    """Send ``data`` a byte every ``every_s`` (under any stall bound) until stopped."""
+    def run():
+        for i in range(len(data)):
+            if stop.wait(every_s):
+                return
+            try:
+                s.sendall(data[i:i + 1])
+            except OSError:
+                return
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_put_trickling_into_the_open_region_is_cut_off_by_its_deadline_and_others_store(engine, monkeypatch):
+    """A byte every 0.2 s never stalls the 0.5 s bound, but the payload must be in within
+    that bound plus its size at RESERVED_PAYLOAD_RATE_MIN_BYTES_S: then every writer goes on."""
+    from kvtier.daemon.server import connection_loop
+    monkeypatch.setattr(connection_loop, "RESERVED_PAYLOAD_STALL_S", 0.5)
+    monkeypatch.setattr(connection_loop, "RESERVED_PAYLOAD_RATE_MIN_BYTES_S", 1 << 20)  # 500 KB: about 1 s in all
+    server, addr = in_place_server(engine)
+    stop = threading.Event()
+    try:
+        key, other = b"\x1b" * 16, b"\x1c" * 16
+        block = encode_block(key, NS, 0, os.urandom(500_000))
+        s, conn = _greeted(addr, "trickle-test")
+        with s:
+            wire = b"".join(bytes(part) for part in conn.send_parts(p.Put(2, (key,), (block,), True)))
+            s.sendall(wire[:len(wire) - len(block) + 100])  # the header, the meta and the block's head
+            trickle(s, wire[len(wire) - len(block) + 100:], 0.2, stop)
+            started = time.monotonic()
+            with BlockClient(addr) as c:
+                c.put(other, encode_block(other, NS, 0, os.urandom(1000)), durable=True)
+                c.delete_many([other])
+                assert time.monotonic() - started < 5
+                assert c.lookup([key]) == 0
+            error = _next_event(s, conn)
+            assert isinstance(error, p.ErrorReply) and error.code == p.ErrorCode.TIMEOUT, error
+            assert "did not arrive within" in error.message and "open region" in error.message
+    finally:
+        stop.set()
+        server.stop()
+
+
+def test_a_trickling_payload_gives_its_transient_room_back_once_past_its_deadline(engine, monkeypatch):
+    from kvtier.daemon.server import connection_loop
+    monkeypatch.setattr(connection_loop, "PAYLOAD_RATE_MIN_BYTES_S", 4 << 20)  # 3.2 MB: 0.5 + 0.8 s
+    server = DataServer(engine, "127.0.0.1", 0, region_size_bytes=2 << 20, frame_timeout_s=0.5,
+                        reply_arenas=ReplyArenas(arena_bytes=64 << 10, budget_bytes=1 << 20,
+                                                 transient_budget_bytes=4 << 20, transient_wait_s=0.2))
+    host, port = server.start()
+    addr = f"{host}:{port}"
+    stop = threading.Event()
+    try:
+        def frame(tag: int) -> list[tuple[bytes, bytes]]:  # larger than a region: not received in place
+            keys = [bytes([tag, i]) * 8 for i in range(4)]
+            return [(k, encode_block(k, NS, 0, os.urandom(800_000))) for k in keys]
+        items = frame(0x2a)
+        s, conn = _greeted(addr, "trickle-transient")
+        with s:
+            wire = b"".join(bytes(part) for part in conn.send_parts(
+                p.Put(2, tuple(k for k, _ in items), tuple(b for _, b in items))))
+            head = len(wire) - sum(len(b) for _, b in items)
+            s.sendall(wire[:head + 100])
+            trickle(s, wire[head + 100:], 0.2, stop)
+            time.sleep(2.0)  # past its deadline, though no receive ever waited 0.5 s
+            with BlockClient(addr) as c:
+                assert c.put_many(frame(0x2b))  # the room is free again (not BUSY)
+            error = _next_event(s, conn)
+            assert isinstance(error, p.ErrorReply) and error.code == p.ErrorCode.TIMEOUT, error
+            assert "3200" in error.message and "did not arrive within" in error.message
+    finally:
+        stop.set()
+        server.stop()
+
+
 def test_a_put_into_the_open_region_that_keeps_sending_is_not_cut_off(engine, monkeypatch):
     from kvtier.daemon.server import connection_loop
     monkeypatch.setattr(connection_loop, "RESERVED_PAYLOAD_STALL_S", 0.3)
+    monkeypatch.setattr(connection_loop, "RESERVED_PAYLOAD_RATE_MIN_BYTES_S", 1 << 20)  # below the 1 MB/s it sends
     server, addr = in_place_server(engine)
     try:
         key = b"\x0d" * 16
@@ -452,5 +531,18 @@ def test_a_put_into_the_open_region_that_keeps_sending_is_not_cut_off(engine, mo
             reply = _next_event(s, conn)
             assert isinstance(reply, p.LookupReply) and reply.leading == 1, reply
         assert engine.statistics().puts_received_in_place == 1
+    finally:
+        server.stop()
+
+
+def test_a_put_to_a_failed_engine_is_answered_shutting_down_not_dropped(engine):
+    server, addr = in_place_server(engine)
+    try:
+        key = b"\x1d" * 16
+        engine.fail("a test failed it")
+        with BlockClient(addr) as c:
+            with pytest.raises(RemoteError) as err:
+                c.put(key, encode_block(key, NS, 0, os.urandom(300_000)))
+        assert err.value.code == p.ErrorCode.SHUTTING_DOWN, err.value
     finally:
         server.stop()

@@ -15,6 +15,9 @@ An authenticated connection that sits idle between requests for
 A PUT being received into the open region holds it (every other writer waits, see
 ``engine.put_reservations``): while it does, its connection may go at most
 RESERVED_PAYLOAD_STALL_S without a byte, not ``frame_timeout_s``, before it is told so and closed.
+A frame must also arrive whole by a deadline (the timeout plus its payload at
+PAYLOAD_RATE_MIN_BYTES_S, or RESERVED_PAYLOAD_RATE_MIN_BYTES_S in the open region): a peer
+that sends a byte now and then cannot hold a buffer, the transient budget or the open region.
 An idle connection wakes when the server stops; a busy one finishes the
 requests already received first.
 """
@@ -37,6 +40,10 @@ from kvtier.wire.sockets import receive_some, sendmsg_all
 log = logging.getLogger("kvtier.daemon.server")
 
 RESERVED_PAYLOAD_STALL_S = 2.0  # no byte for this long mid-payload while holding the open region: closed
+# After HELLO a frame must also arrive whole in time, however its bytes trickle in: within the
+# frame timeout (the stall bound, in the open region) plus its payload at these rates at least.
+PAYLOAD_RATE_MIN_BYTES_S = 32 << 20
+RESERVED_PAYLOAD_RATE_MIN_BYTES_S = 32 << 20
 
 
 class ConnectionLoop:
@@ -76,6 +83,11 @@ class ConnectionLoop:
             send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
                                f"a PUT being received into the open region stalled for {exc.timeout_s} s "
                                "mid-payload (other writers wait for it): closed")
+        except _FrameTooSlow as exc:
+            self._recorder.error(p.ErrorCode.TIMEOUT.name)
+            log.warning("event=frame_too_slow peer=%s payload_bytes=%d allowed_s=%.1f", peer, exc.nbytes,
+                        exc.allowed_s)
+            send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT, str(exc))
         except socket.timeout:
             self._recorder.error(p.ErrorCode.TIMEOUT.name)
             if conn.awaiting_hello:
@@ -103,6 +115,7 @@ class ConnectionLoop:
         handler, buffers, recorder = self._handler, self._buffers, self._recorder
         placed = None
         stall_bounded = False  # the socket's timeout is RESERVED_PAYLOAD_STALL_S while a payload is received in place
+        frame_deadline: _FrameDeadline | None = None  # after HELLO: when the frame being received must be in
         received_before = 0
         while True:
             event = conn.next_event()
@@ -130,17 +143,35 @@ class ConnectionLoop:
                         conn.set_payload_buffer(buffer)
                     elif (why := buffers.admit_payload(session, head.payload_len)) is not None:
                         refused = conn.reject_payload(*why)
+                    if session.greeted:
+                        frame_deadline = self._payload_deadline(head.payload_len, stall_bounded)
                 if refused is not None:
+                    frame_deadline = None
                     sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
                     recorder.request_done("rejected", 0.0, 0, sent)
                     continue
+                if frame_deadline is None and session.greeted and conn.in_frame:
+                    allowed_s = self._frame_timeout_s + self._limits.meta_bytes_max / PAYLOAD_RATE_MIN_BYTES_S
+                    frame_deadline = _FrameDeadline(time.monotonic() + allowed_s, 0, allowed_s)  # header and meta
+                cut_by_deadline = False  # this receive waits less than the stall bound: the frame's deadline is near
+                if frame_deadline is not None:
+                    left, stall_s = frame_deadline.left(), self._reserved_stall_s if stall_bounded else self._frame_timeout_s
+                    if left <= 0:
+                        raise frame_deadline.too_slow(session.put_reservation is not None)
+                    cut_by_deadline = left < stall_s
+                    sock.settimeout(min(left, stall_s))
                 try:
                     receive_some(sock, conn)
                 except socket.timeout:
+                    if cut_by_deadline:
+                        raise frame_deadline.too_slow(session.put_reservation is not None) from None
                     if session.put_reservation is not None:
                         raise _ReservationStalled(self._reserved_stall_s) from None
                     raise
                 continue
+            if frame_deadline is not None:
+                frame_deadline = None
+                sock.settimeout(self._frame_timeout_s)
             if event is p.CONNECTION_CLOSED:
                 return
             started = time.perf_counter()
@@ -169,6 +200,12 @@ class ConnectionLoop:
                 linger(sock)
                 return
 
+    def _payload_deadline(self, nbytes: int, in_place: bool) -> "_FrameDeadline":
+        bound, rate = ((self._reserved_stall_s, RESERVED_PAYLOAD_RATE_MIN_BYTES_S) if in_place
+                       else (self._frame_timeout_s, PAYLOAD_RATE_MIN_BYTES_S))
+        allowed_s = bound + nbytes / rate
+        return _FrameDeadline(time.monotonic() + allowed_s, nbytes, allowed_s)
+
     def _wait_for_request(self, sock: socket.socket, timeout_s: float | None, before_hello: bool) -> bool:
         """Block until the idle connection has bytes (True) or we stop (False);
         after ``timeout_s`` (None: wait as long as it takes) socket.timeout
@@ -188,6 +225,31 @@ class _ReservationStalled(Exception):
     def __init__(self, timeout_s: float):
         super().__init__(f"stalled for {timeout_s} s")
         self.timeout_s = timeout_s
+
+
+class _FrameDeadline:
+    """When the frame being received must be in (a monotonic time), and what it carries."""
+
+    def __init__(self, at: float, nbytes: int, allowed_s: float = 0.0) -> None:
+        self.at, self.nbytes, self.allowed_s = at, nbytes, allowed_s
+
+    def left(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def too_slow(self, in_place: bool) -> "_FrameTooSlow":
+        return _FrameTooSlow(self.nbytes, self.allowed_s, in_place)
+
+
+class _FrameTooSlow(Exception):
+    """A frame did not arrive whole by its deadline (its bytes trickled in)."""
+
+    def __init__(self, nbytes: int, allowed_s: float, in_place: bool):
+        where = " into the open region (other writers wait for it)" if in_place else ""
+        rate = (RESERVED_PAYLOAD_RATE_MIN_BYTES_S if in_place else PAYLOAD_RATE_MIN_BYTES_S) >> 20
+        what = f"a frame with a {nbytes}-byte payload{where}" if nbytes else "a frame's header and meta"
+        super().__init__(f"{what} did not arrive within {allowed_s:.1f} s (the timeout plus the payload at "
+                         f"{rate} MiB/s): closed")
+        self.nbytes, self.allowed_s = nbytes, allowed_s
 
 
 class _IdleTimeout(Exception):

@@ -173,8 +173,11 @@ class RequestHandler:
         if head.base_op != p.Op.PUT or not session.authenticated and self._token() is not None:
             return None
         _, items = meta
-        reservation = self._engine.reserve_put([k for k, _ in items], [n for _, n in items],
-                                               new_region=head.payload_len > self.buffers.arenas.arena_bytes)
+        try:
+            reservation = self._engine.reserve_put([k for k, _ in items], [n for _, n in items],
+                                                   new_region=head.payload_len > self.buffers.arenas.arena_bytes)
+        except EngineError:  # a failed engine or device: the copying path answers it with its error frame
+            return None
         if reservation is None:
             return None
         session.put_reservation = reservation
