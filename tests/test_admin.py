@@ -201,6 +201,8 @@ def test_evict_by_keys_namespace_and_all(http, data):
     ("/v1/pin", {"keys": ["00" * 16], "namespace": NS_SPEC, "tokens": [1]}, "either 'keys'"),
     ("/v1/pin", {"namespace": NS_SPEC}, "go together"),
     ("/v1/pin", {"keys": ["00" * 15]}, "keys.0"),
+    ("/v1/pin", {"keys": ["00" * 16], "ttl_s": True}, "ttl_s"),
+    ("/v1/pin", {"keys": ["00" * 16], "ttl_s": "60"}, "ttl_s"),
     ("/v1/unpin", {"keys": "00" * 16}, "keys"),
     ("/v1/lookup", {"namespace": NS_SPEC, "tokens": [-1]}, "tokens.0"),
     ("/v1/lookup", {"namespace": {**NS_SPEC, "layout": {**NS_SPEC["layout"], "dtype": "int3"}}, "tokens": [1]},

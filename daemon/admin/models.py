@@ -92,7 +92,7 @@ class PinSelection(KeySelection):
     """A :class:`KeySelection` to pin; ``ttl_s``: a soft pin that expires by itself after that many
     seconds (memory only, gone at a restart); omitted: a hard pin, kept until unpinned."""
 
-    ttl_s: float | None = Field(default=None, gt=0, le=PIN_TTL_S_MAX)
+    ttl_s: float | None = Field(default=None, gt=0, le=PIN_TTL_S_MAX, strict=True)  # true is not 1 s
 
 
 class EvictRequest(_Strict):

@@ -30,7 +30,7 @@ class PreplaceRequest(KeySelection):
     ``"all"``) and the soft pins' TTL (default: the region's ``preplace_ttl_s``)."""
 
     edges: Literal["all"] | list[str] = Field(default="all", max_length=EDGES_PER_REQUEST_MAX)
-    ttl_s: float | None = Field(default=None, gt=0, le=PIN_TTL_S_MAX)
+    ttl_s: float | None = Field(default=None, gt=0, le=PIN_TTL_S_MAX, strict=True)  # true is not 1 s
 
     def edge_names(self):
         if self.edges != "all":
