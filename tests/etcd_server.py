@@ -38,6 +38,13 @@ def etcd_missing_reason() -> str | None:
     return None
 
 
+START_ATTEMPTS = 3  # fresh ports after a bind race
+
+
+class PortTaken(RuntimeError):
+    """etcd could not bind a port free_port() had found free."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +61,15 @@ class EtcdServer:
         self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
-        self.start()
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self.start()
+                return
+            except PortTaken:  # another process bound a port between free_port() and etcd's bind
+                if attempt + 1 == START_ATTEMPTS:
+                    raise
+                self.client_port = client_port or free_port()
+                self.peer_port = free_port()
 
     @property
     def endpoint(self) -> str:
@@ -90,7 +105,9 @@ class EtcdServer:
                 pass
             time.sleep(READY_POLL_S)  # polling a process we started: nothing to wait on instead
         self.kill()
-        raise RuntimeError(f"etcd did not become healthy on {self.endpoint}; log tail:\n{self.log_tail()}")
+        tail = self.log_tail()
+        kind = PortTaken if "address already in use" in tail else RuntimeError
+        raise kind(f"etcd did not become healthy on {self.endpoint}; log tail:\n{tail}")
 
     def log_tail(self, nbytes: int = 3000) -> str:
         try:
