@@ -153,6 +153,8 @@ def test_devices_map(kv, daemon):
     device_map = json.loads(out)
     assert code == 0 and len(device_map) == 4
     assert all(len(dev) == 32 and Path(path).exists() for dev, path in device_map.items())
+    code, out, _ = kv("--json", "devices")
+    assert list(device_map) == [d["device_id"] for d in json.loads(out)["devices"]]  # stripe order, as the API
     code, out, _ = kv("devices")
     assert code == 0 and all(dev in out for dev in device_map) and "stripe" in out
 
@@ -229,7 +231,7 @@ def _fsck(tmp_path, capsys, *extra) -> tuple[int, dict]:
 
 def test_format_then_fsck_finds_planted_corruption_and_repairs_it(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KVTIER_CONFIG", raising=False)
-    assert main(["fsck", *_store_args(tmp_path)]) == 1  # nothing there yet: the engine says why
+    assert main(["fsck", *_store_args(tmp_path)]) == 8  # nothing there yet: not run (as e2fsck), the engine says why
     assert "dev0.img" in capsys.readouterr().err
     assert main(["format", *_store_args(tmp_path)]) == 0
     assert "formatted 2 device(s)" in capsys.readouterr().out
@@ -286,3 +288,14 @@ def test_a_bad_token_file_is_a_usage_error_naming_it(tmp_path, capsys):
         assert main(["--token-file", str(path), "status"]) == 2
         err = capsys.readouterr().err
         assert str(path) in err and fragment in err
+
+
+def test_fsck_of_a_store_a_running_kvtierd_holds_is_not_run(daemon, capsys):
+    code = main(["fsck", *[arg for path in sorted(daemon.data_dir.glob("device*.img")) for arg in ("--device", str(path))]])
+    assert code == 8 and "in use" in capsys.readouterr().err
+
+
+def test_cluster_repair_refuses_an_interval_that_is_not_positive(capsys):
+    for interval in ("-1", "0"):
+        assert main(["cluster", "repair", "--cluster", "etcd://127.0.0.1:1/kv", "--interval", interval]) == 2
+        assert "--interval must be a positive number" in capsys.readouterr().err

@@ -185,7 +185,9 @@ def test_gates_on_the_load_figures():
                     parse_gate("n:ttft.exposed_vs_load<=0.3")], [job, nulls])
     assert [(r.gate.text, r.job, r.measured, r.passed) for r in res] == [
         ("ttft_exposed_vs_load<=0.3", "t", 0.25, True),
+        ("ttft_exposed_vs_load<=0.3", "n", None, False),  # a null figure passes no gate
         ("ttft_kvtier_vs_bound<=1.1", "t", 1.2, False),
+        ("ttft_kvtier_vs_bound<=1.1", "n", None, False),
         ("ttft.load_vs_inmemory>=30%", "t", 0.6, True),
         ("ttft.load_ms.mean>0", "t", 10.0, True),
         ("n:ttft.exposed_vs_load<=0.3", "n", None, False),
@@ -270,6 +272,56 @@ def test_gate_evaluation_scopes():
         ("nojob:read_bw>=1", "nojob", False),
     ]
     assert "no job reports ttft.reduction" in res[3].note
+
+
+def test_a_global_gate_fails_a_job_that_reports_the_figure_as_null():
+    jobs = [_job("a", ttft={"exposed_vs_load": None}), _job("b", ttft={"exposed_vs_load": 0.1}),
+            _job("c", read={"total_ios": 5, "bw_bytes": 50})]  # no ttft section: not judged
+    res = evaluate([parse_gate("ttft.exposed_vs_load<=0.3")], jobs)
+    assert [(r.job, r.measured, r.passed) for r in res] == [("a", None, False), ("b", 0.1, True)]
+    assert "as null" in res[0].note
+
+
+def test_verify_only_without_verify_is_refused():
+    js = parse_sources([], [("target", "tcp://127.0.0.1:1"), ("name", "chk"), ("rw", "read"), ("verify_only", "1")])
+    with pytest.raises(UsageError, match="verify_only needs verify=1"):
+        build_jobs(list(js.jobs))
+
+
+def test_a_float_option_of_nan_is_refused():
+    js = parse_sources([], [("target", "tcp://127.0.0.1:1"), ("name", "p"), ("rw", "prefix"), ("prefix_share", "nan")])
+    with pytest.raises(UsageError, match="not a number"):
+        build_jobs(list(js.jobs))
+
+
+def test_the_all_jobs_line_adds_up_jobs_that_ran_one_after_another():
+    from kvtier.tools.kvperf.report_text import group_status
+
+    one = {"total_ios": 1, "io_bytes": 1 << 30, "runtime": 1000, "bw_bytes": 1 << 30}  # 1 GiB/s for 1 s each
+    lines = group_status([{"read": dict(one), "write": {"total_ios": 0}}, {"read": dict(one), "write": {"total_ios": 0}}])
+    assert "bw=1.0GiB/s" in lines[2] and "io=2.0GiB" in lines[2], lines
+
+
+def test_the_progress_clock_starts_with_the_first_work_not_the_layout(monkeypatch):
+    import sys
+
+    from kvtier.tools.kvperf import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    line = progress.ProgressLine(True, "r", None, "bytes", 10.0)  # time_based, runtime 10 s
+    seen = {}
+
+    class Bar:  # what the progress line hands to rich, recorded
+        def update(self, task, **kw):
+            seen.update(kw)
+    monkeypatch.setattr(line, "_start", lambda: setattr(line, "_progress", Bar()))
+    now[0] = 12.0  # the untimed layout took 12 s; nothing measured yet
+    line.update(0)
+    now[0] = 15.0
+    line.update(1 << 20)
+    assert (seen["completed"], seen["total"]) == (3.0, 10.0)
 
 
 # -- statistics --------------------------------------------------------------

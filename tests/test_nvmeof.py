@@ -347,6 +347,9 @@ def test_devices_come_from_either_form_of_kvtier_devices():
         devices_from_doc([ID_A])
     with pytest.raises(PlanError, match="not 32 lowercase hex"):
         devices_from_doc({"xyz": "/dev/b"})
+    with pytest.raises(PlanError, match="entry 0 needs a device_id and a path"):  # not exported as '/'
+        devices_from_doc({"devices": [{"device_id": ID_A}]})
+    assert devices_from_doc({"devices": [{"device_id": ID_A}]}, paths_needed=False)[0].device_id == ID_A
 
 
 def attach(sysfs: Path, dev: Path, name: str, uuid_text: str, backing: str | None = None) -> None:

@@ -181,7 +181,7 @@ def evict_request(args) -> dict:
 # -- commands ------------------------------------------------------------------------
 def _emit(args, doc, human) -> None:
     if args.json:
-        json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+        json.dump(doc, sys.stdout, indent=2)  # in the daemon's order: 'devices --map' lists them in stripe order
         sys.stdout.write("\n")
     else:
         sys.stdout.write(human if human.endswith("\n") else human + "\n")
@@ -340,9 +340,14 @@ def cmd_cluster_status(args) -> int:
 
 
 def cmd_fsck(args) -> int:
-    from kvtier.tools.admin_fsck import run_fsck
+    from kvtier.daemon.engine import EngineError
+    from kvtier.tools.admin_fsck import EXIT_NOT_RUN, run_fsck
 
-    return run_fsck(resolve_store(args).engine_config(), repair=args.repair, as_json=args.json)
+    try:
+        return run_fsck(resolve_store(args).engine_config(), repair=args.repair, as_json=args.json)
+    except EngineError as exc:  # a device missing, in use by a running kvtierd, unreadable: nothing checked
+        print(f"kvtier: fsck: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUN
 
 
 def cmd_format(args) -> int:

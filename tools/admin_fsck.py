@@ -12,7 +12,7 @@ from dataclasses import asdict
 from kvtier.daemon.engine import EngineConfig
 from kvtier.daemon.engine.fsck import FsckReport, check_store
 
-EXIT_CLEAN, EXIT_REPAIRED, EXIT_UNCORRECTED = 0, 1, 4
+EXIT_CLEAN, EXIT_REPAIRED, EXIT_UNCORRECTED, EXIT_NOT_RUN = 0, 1, 4, 8  # as e2fsck (8: an operational error)
 
 
 def exit_status(report: FsckReport, repair: bool) -> int:

@@ -268,9 +268,14 @@ def read_status(url: ClusterUrl, reader: EtcdReader) -> dict | None:
 
 
 def run_repair_command(args, url: str, token: str | None, emit) -> int:
-    """``kvtier cluster repair``: exit 0 after ``--once`` (or SIGINT), 1 when a pass cannot start."""
+    """``kvtier cluster repair``: exit 0 after a clean ``--once`` (or SIGINT); 1 when a pass cannot start,
+    or ``--once`` left members unlisted or blocks not copied; 2 for a bad option."""
     from kvtier.tools.kvperf.units import parse_size
 
+    if not args.interval > 0:
+        print(f"kvtier: cluster repair: --interval must be a positive number of seconds, got {args.interval}",
+              file=sys.stderr)
+        return 2
     try:
         repairer = ClusterRepairer(url, replicas=args.replicas, rate_bytes_s=parse_size("--rate", args.rate),
                                    token=token)
@@ -284,7 +289,7 @@ def run_repair_command(args, url: str, token: str | None, emit) -> int:
                                         f"{figures.copies_missing} copies missing, {figures.blocks_copied} blocks "
                                         f"copied ({figures.bytes_moved} bytes), {figures.blocks_failed} failed, "
                                         f"{figures.nodes_unlisted} members not listed")
-            return 0 if not figures.nodes_unlisted else 1
+            return 0 if not figures.nodes_unlisted and not figures.blocks_failed else 1
         try:
             repairer.run(args.interval)
         except KeyboardInterrupt:

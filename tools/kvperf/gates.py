@@ -114,6 +114,12 @@ def resolve(obj, segments: tuple[str, ...]):
     return None
 
 
+def _reports_null(job: dict, path: tuple[str, ...]) -> bool:
+    """Whether the job holds ``path`` with the value null (a figure it could not compute)."""
+    parent = resolve(job, path[:-1]) if len(path) > 1 else job
+    return isinstance(parent, dict) and path[-1] in parent and parent[path[-1]] is None
+
+
 def _lookup(job: dict, path: tuple[str, ...]):
     """The metric, or None where the job does not report it; a direction
     section without any I/O (``total_ios == 0``) reports nothing."""
@@ -141,6 +147,10 @@ def evaluate(gates: list[Gate], job_reports: list[dict]) -> list[GateResult]:
                 if gate.job is not None:
                     results.append(GateResult(gate, job["jobname"], None, False,
                                               f"job does not report {'.'.join(gate.path)}"))
+                elif _reports_null(job, gate.path):  # reported, but no figure: no gate passes on it
+                    judged += 1
+                    results.append(GateResult(gate, job["jobname"], None, False,
+                                              f"job reports {'.'.join(gate.path)} as null"))
                 continue
             judged += 1
             results.append(GateResult(gate, job["jobname"], float(value), gate.check(float(value))))

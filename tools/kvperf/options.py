@@ -267,6 +267,9 @@ def _check(job: JobOptions, raw: RawJob) -> None:
         raise UsageError(f"{where}: ramp_time ({job.ramp_time}s) must be shorter than runtime ({job.runtime}s)")
     if job.verify_only and job.rw not in ("read", "randread"):
         raise UsageError(f"{where}: verify_only needs rw=read or rw=randread, not {job.rw}")
+    if job.verify_only and not job.verify:
+        raise UsageError(f"{where}: verify_only needs verify=1 (without it nothing read back is checked, "
+                         "and a block that is not there only counts as a miss)")
     if job.rw == "ttft" and job.cached_tokens >= job.prompt_tokens:
         raise UsageError(f"{where}: cached_tokens ({job.cached_tokens}) must be less than prompt_tokens "
                          f"({job.prompt_tokens}): at least one token is prefilled")

@@ -33,6 +33,9 @@ class ProgressLine:
     def update(self, done: float) -> None:
         if not self.enabled:
             return
+        if not done and self._progress is None:
+            self.start = time.monotonic()  # the layout (untimed) is not the run: the clock starts with the work
+            return
         elapsed = time.monotonic() - self.start
         if self._progress is None:
             if elapsed < PROGRESS_DELAY_S:

@@ -115,7 +115,8 @@ def group_status(jobs: list[dict]) -> list[str]:
         io = sum(d["io_bytes"] for d in active)
         run_ms = max(d["runtime"] for d in active)
         bws = [d["bw_bytes"] for d in active]
-        agg = io / (run_ms / 1000) if run_ms else 0
+        total_ms = sum(d["runtime"] for d in active)  # the jobs run one after another, never at once
+        agg = io / (total_ms / 1000) if total_ms else 0
         lines.append(f"  {label.upper():>5}: bw={format_bytes_iec(agg)}/s ({format_bytes_si(agg)}/s), "
                      f"{format_bytes_iec(min(bws))}/s-{format_bytes_iec(max(bws))}/s, "
                      f"io={format_bytes_iec(io)} ({format_bytes_si(io)}), "

@@ -69,6 +69,8 @@ def parse_float(option: str, text: str, minimum: float | None = None, maximum: f
         value = float(text)
     except ValueError:
         raise UsageError(f"{option}={text!r}: not a number") from None
+    if value != value:
+        raise UsageError(f"{option}={text!r}: not a number")
     if minimum is not None and value < minimum:
         raise UsageError(f"{option}={text!r}: must be at least {minimum}")
     if maximum is not None and value > maximum:

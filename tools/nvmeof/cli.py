@@ -37,14 +37,17 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 # -- the daemon's devices --------------------------------------------------------------
-def devices_from_doc(doc) -> list[ExportDevice | str]:
+def devices_from_doc(doc, paths_needed: bool = True) -> list[ExportDevice | str]:
     """Devices from ``/v1/devices`` (``{"devices": [{"device_id", "path"}, ...]}``) or from
     its map form (``{id: path}``), in stripe order."""
     if isinstance(doc, dict) and isinstance(doc.get("devices"), list):
         entries = doc["devices"]
-        if not all(isinstance(d, dict) and "device_id" in d for d in entries):
-            raise PlanError("devices: each entry needs a device_id (and a path)")
-        return [ExportDevice(d["device_id"], d.get("path", "/")) for d in entries]
+        for i, d in enumerate(entries):
+            if not (isinstance(d, dict) and isinstance(d.get("device_id"), str)
+                    and (isinstance(d.get("path"), str) or not paths_needed)):
+                raise PlanError(f"devices: entry {i} needs a device_id and a path (the output of 'kvtier --json "
+                                "devices' on the daemon's host)")
+        return [ExportDevice(d["device_id"], d.get("path") or "/") for d in entries]
     if isinstance(doc, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
         return [ExportDevice(k, v) for k, v in doc.items()]
     raise PlanError("devices: expected the output of 'kvtier --json devices' (or of 'devices --map')")
@@ -65,14 +68,14 @@ def load_devices(args, *, paths_needed: bool) -> list[ExportDevice]:
             raise _usage_error(f"devices file {args.devices_json}: {exc.strerror}") from None
         except ValueError as exc:
             raise _usage_error(f"devices file {args.devices_json}: not JSON: {exc}") from None
-        return devices_from_doc(doc)
+        return devices_from_doc(doc, paths_needed)
     if getattr(args, "data", None):
         if paths_needed:
             raise _usage_error("--data gives device ids only; export needs their paths (--devices-json or --admin)")
         return [ExportDevice(dev, "/") for dev in _hello_device_ids(args)]
     from kvtier.tools.admin_cli import resolve_admin
 
-    return devices_from_doc(resolve_admin(args).devices())
+    return devices_from_doc(resolve_admin(args).devices(), paths_needed)
 
 
 def _hello_device_ids(args) -> tuple[str, ...]:
