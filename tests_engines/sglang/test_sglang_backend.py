@@ -265,6 +265,29 @@ def test_in_flight_saves_count_until_they_finish():
     assert recent.leading([b"k1", b"k2"]) == 1  # a failed save forgets its keys
 
 
+def test_pages_the_daemon_lost_are_sent_again_by_a_backup_past_the_recent_ttl(kvtierd):
+    keys = page_keys(fresh_tokens(3))
+    pool = make_host_pool("page_first")
+    backend = attach_backend(make_storage_config(kvtierd.data_addr), pool)
+    now = [1000.0]
+    backend._recent._clock = lambda: now[0]
+    try:
+        idx = pool.alloc(3 * PAGE_SIZE)
+        fill_pages(pool, idx, seed=11)
+        assert backend.batch_set_v1(keys, idx) == [True] * 3
+        assert backend.wait_saves_stored(timeout_s=60) and backend.batch_exists(keys) == 3
+        with BlockClient(kvtierd.data_addr) as client:  # evicted, or deleted by an operator
+            assert client.delete_many(backend.keys_of(keys)) == [True] * 3
+        now[0] += 1.0
+        assert backend.batch_set_v1(keys, idx) == [True] * 3  # within the TTL: taken as stored, not sent
+        assert backend.wait_saves_stored(timeout_s=60) and backend.batch_exists(keys) == 0
+        now[0] += backend._recent.ttl_s  # checking the keys above did not renew them
+        assert backend.batch_set_v1(keys, idx) == [True] * 3
+        assert backend.wait_saves_stored(timeout_s=60) and backend.batch_exists(keys) == 3
+    finally:
+        backend.close()
+
+
 def test_full_save_queue_drops_and_close_drains(kvtierd):
     """With the daemon frozen, a backup queues (or drops when the queue is full) and the
     call returns at once; close() waits for the queued save."""

@@ -3,40 +3,47 @@
 SGLang's cache controller backs up a whole prefix again when it grows; the
 pages it already backed up need not be sent twice. Write-behind saves have no
 LOOKUP before the PUT, so the backend remembers the keys it queued, at most
-``RECENT_SAVES_MAX`` of them (the oldest are forgotten first), and skips the
-leading ones. A save that fails in the background forgets its keys, so that
-the next backup sends them again. The keys of saves still in flight (queued,
+``RECENT_SAVES_MAX`` of them (the oldest are forgotten first), for
+``RECENT_SAVE_TTL_S`` from when they were queued (a check does not renew them),
+and skips the leading ones. A save that fails in the background forgets its
+keys, so that the next backup sends them again; a page the daemon lost later
+(evicted, deleted) is sent again by the first backup past its TTL. The keys of saves still in flight (queued,
 not yet acknowledged) also count as present to ``batch_exists``
 (:meth:`RecentSaves.in_flight_from`): a page queued a moment ago is not absent.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, wait
-from typing import Sequence
+from typing import Callable, Sequence
 
 RECENT_SAVES_MAX = 1 << 16  # keys remembered (about 10 MiB); older ones are sent again, which is harmless
+RECENT_SAVE_TTL_S = 60.0  # a queued key is taken as stored this long; then a backup sends it again (a no-op if present)
 
 
 class RecentSaves:
     """See the module doc; thread-safe."""
 
-    def __init__(self, keys_max: int = RECENT_SAVES_MAX) -> None:
+    def __init__(self, keys_max: int = RECENT_SAVES_MAX, ttl_s: float = RECENT_SAVE_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if keys_max < 1:
             raise ValueError(f"keys_max must be >= 1, got {keys_max}")
         self.keys_max = keys_max
+        self.ttl_s = ttl_s
+        self._clock = clock
         self._lock = threading.Lock()
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._keys: OrderedDict[bytes, float] = OrderedDict()  # key -> when it was queued, oldest first
         self._pending: set[Future] = set()
         self._in_flight: dict[bytes, int] = {}  # key -> saves in flight that carry it
 
     def leading(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` were queued lately."""
+        """How many leading ``keys`` were queued within the TTL."""
         with self._lock:
+            since = self._clock() - self.ttl_s
             n = 0
-            while n < len(keys) and keys[n] in self._keys:
-                self._keys.move_to_end(keys[n])
+            while n < len(keys) and self._keys.get(keys[n], since) > since:
                 n += 1
             return n
 
@@ -51,8 +58,9 @@ class RecentSaves:
     def add(self, keys: Sequence[bytes], future: Future) -> None:
         """Remember ``keys``, queued as ``future``; forget them if it fails."""
         with self._lock:
+            now = self._clock()
             for key in keys:
-                self._keys[key] = None
+                self._keys[key] = now
                 self._keys.move_to_end(key)
             while len(self._keys) > self.keys_max:
                 self._keys.popitem(last=False)
