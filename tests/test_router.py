@@ -180,3 +180,42 @@ def test_edge_picker_asks_the_router_and_falls_back_to_rendezvous_when_it_is_dow
     picker.pick_for_tokens(NS, TOKENS)  # within retry_after_s: the router is not asked
     stats = picker.statistics()
     assert (stats.router_picks, stats.rendezvous_picks, stats.router_failures) == (1, 3, 1)
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{\"seq\": 1",  # cut short
+    b"KVTIER\x00\x01 not http at all\r\n\r\n",  # admin= pointed at another port
+], ids=["truncated-body", "not-http"])
+def test_a_node_whose_snapshot_reply_is_broken_does_not_stop_the_router_following_the_others(nodes, reply):
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def answer_every_connection():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+    threading.Thread(target=answer_every_connection, daemon=True).start()
+    broken = NodeSpec("broken", nodes["b"].events_endpoint, f"http://127.0.0.1:{listener.getsockname()[1]}")
+    server, subscriber, _, lookups = start_router([spec("a", nodes["a"]), broken], "127.0.0.1", 0, None,
+                                                  probe_fraction=0.0)  # no accuracy probe
+    try:
+        table = server.router.table
+        wait_synced(table, nodes, "a")
+        put(nodes["a"], CHAIN[:4])
+        wait_synced(table, nodes, "a")
+        assert table.node_keys("a") >= set(CHAIN[:4])
+        assert subscriber._thread.is_alive() and subscriber.statistics()["snapshot_failures"] >= 1
+    finally:
+        listener.close()
+        server.stop()
+        subscriber.stop()
+        lookups.close()

@@ -7,6 +7,7 @@ replay socket for the batches from a sequence number on (a DEALER, as vLLM's rep
 """
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -59,7 +60,7 @@ def fetch_snapshot(node: NodeSpec, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> KVS
             doc = json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         raise SourceError(f"node {node.node_id}: snapshot answered {exc.code}: {exc.read()[:200]!r}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # a reply cut short, or not HTTP
         raise SourceError(f"node {node.node_id}: snapshot from {node.admin}: {type(exc).__name__}: {exc}") from None
     try:
         return snapshot_from_document(doc)
@@ -76,7 +77,10 @@ def request_replay(ctx: zmq.Context, node: NodeSpec, start_seq: int,
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(node.replay)
+        try:
+            sock.connect(node.replay)
+        except zmq.ZMQError as exc:
+            raise SourceError(f"node {node.node_id}: replay endpoint {node.replay!r}: {exc}") from None
         sock.send_multipart((b"", fmt.encode_seq(start_seq)))
         out = []
         while len(out) <= REPLAY_MESSAGES_MAX:

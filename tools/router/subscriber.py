@@ -99,12 +99,24 @@ class EventSubscriber:
                 return
             now = time.monotonic()
             for node in [n for n, at in self._snapshot_due.items() if at <= now]:
-                self._resync_from_snapshot(node)
+                self._guarded(node, self._resync_from_snapshot, node)
             for sock in ready:
                 if sock in self._monitors:
-                    self._on_monitor(self._monitors[sock], sock)
+                    self._guarded(self._monitors[sock], self._on_monitor, self._monitors[sock], sock)
                 elif sock in by_socket:
-                    self._on_messages(by_socket[sock], sock)
+                    self._guarded(by_socket[sock], self._on_messages, by_socket[sock], sock)
+
+    def _guarded(self, node: str, handle, *args) -> None:
+        """``handle(*args)`` for one node; an error it did not expect marks that node down and due for a
+        snapshot instead of ending the thread that follows every node."""
+        try:
+            handle(*args)
+        except Exception:  # noqa: BLE001 -- one node's fault is never every node's
+            self._count("node_errors")
+            log.exception("event=node_handling_failed node=%s", node)
+            self.table.set_down(node)
+            self._pending[node].clear()
+            self._snapshot_due[node] = time.monotonic() + SNAPSHOT_RETRY_S
 
     def _on_monitor(self, node: str, sock: zmq.Socket) -> None:
         while sock.poll(0):
