@@ -315,7 +315,8 @@ class KVCache(AsyncTwins):
         landing = self._decoder.landing(out, first)  # raw: straight into out
 
         def fetch(groups: list[int], count_blocks: bool, blocks: int | None = None) -> list:
-            return self._warm.fetch(keys[:blocks], True, load.transports, groups, count_blocks=count_blocks, landing=landing)
+            return self._warm.fetch(keys[:blocks], True, load.transports, groups, count_blocks=count_blocks,
+                                    landing=landing)
         stream_groups(load, out, first, fetch, self._decoder, self._group_fetches, lambda: self._keep_hot(
             keys, lambda slot, i: copy_tensor(slot, out[:, :, 0, :, self._block_tokens(first + i)])))
 

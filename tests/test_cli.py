@@ -291,7 +291,8 @@ def test_a_bad_token_file_is_a_usage_error_naming_it(tmp_path, capsys):
 
 
 def test_fsck_of_a_store_a_running_kvtierd_holds_is_not_run(daemon, capsys):
-    code = main(["fsck", *[arg for path in sorted(daemon.data_dir.glob("device*.img")) for arg in ("--device", str(path))]])
+    devices = sorted(daemon.data_dir.glob("device*.img"))
+    code = main(["fsck", *[arg for path in devices for arg in ("--device", str(path))]])
     assert code == 8 and "in use" in capsys.readouterr().err
 
 

@@ -298,7 +298,8 @@ def test_the_all_jobs_line_adds_up_jobs_that_ran_one_after_another():
     from kvtier.tools.kvperf.report_text import group_status
 
     one = {"total_ios": 1, "io_bytes": 1 << 30, "runtime": 1000, "bw_bytes": 1 << 30}  # 1 GiB/s for 1 s each
-    lines = group_status([{"read": dict(one), "write": {"total_ios": 0}}, {"read": dict(one), "write": {"total_ios": 0}}])
+    idle = {"total_ios": 0}
+    lines = group_status([{"read": dict(one), "write": idle}, {"read": dict(one), "write": idle}])
     assert "bw=1.0GiB/s" in lines[2] and "io=2.0GiB" in lines[2], lines
 
 

@@ -35,8 +35,9 @@ def make_kv(layout: KVLayout, tokens: int, seed: int):
 
 
 def wrong_layers(layers, kv, tokens: int) -> list[int]:
-    return [i for i, ((k, v), (rk, rv)) in enumerate(zip(layers, kv))
-            if not (torch.equal(k[:, :, :tokens], rk[:, :, :tokens]) and torch.equal(v[:, :, :tokens], rv[:, :, :tokens]))]
+    def same(a, b) -> bool:
+        return torch.equal(a[:, :, :tokens], b[:, :, :tokens])
+    return [i for i, ((k, v), (rk, rv)) in enumerate(zip(layers, kv)) if not (same(k, rk) and same(v, rv))]
 
 
 def deleting_after_lookup(cache: KVCache, client: BlockClient, objects: list[bytes]):

@@ -155,7 +155,8 @@ class ConnectionLoop:
                     frame_deadline = _FrameDeadline(time.monotonic() + allowed_s, 0, allowed_s)  # header and meta
                 cut_by_deadline = False  # this receive waits less than the stall bound: the frame's deadline is near
                 if frame_deadline is not None:
-                    left, stall_s = frame_deadline.left(), self._reserved_stall_s if stall_bounded else self._frame_timeout_s
+                    left = frame_deadline.left()
+                    stall_s = self._reserved_stall_s if stall_bounded else self._frame_timeout_s
                     if left <= 0:
                         raise frame_deadline.too_slow(session.put_reservation is not None)
                     cut_by_deadline = left < stall_s
