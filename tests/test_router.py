@@ -4,6 +4,7 @@ accuracy probe, bad requests, and the client's EdgePicker with the router up and
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -214,6 +215,33 @@ def test_a_node_whose_snapshot_reply_is_broken_does_not_stop_the_router_followin
         wait_synced(table, nodes, "a")
         assert table.node_keys("a") >= set(CHAIN[:4])
         assert subscriber._thread.is_alive() and subscriber.statistics()["snapshot_failures"] >= 1
+    finally:
+        listener.close()
+        server.stop()
+        subscriber.stop()
+        lookups.close()
+
+
+def test_a_node_whose_admin_api_hangs_does_not_hold_up_the_others_events(nodes):
+    import socket
+
+    listener = socket.socket()  # accepts, and never answers: an admin API that is stuck
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    stuck = NodeSpec("stuck", nodes["b"].events_endpoint, f"http://127.0.0.1:{listener.getsockname()[1]}")
+    server, subscriber, _, lookups = start_router([spec("a", nodes["a"]), stuck], "127.0.0.1", 0, None,
+                                                  probe_fraction=0.0)
+    try:
+        table = server.router.table
+        waits = []
+        for i in range(4):  # over several of stuck's snapshot retries (each waits 10 s for an answer)
+            started = time.monotonic()
+            put(nodes["a"], CHAIN[i:i + 1])
+            assert table.wait_synced_to("a", seq_last(nodes["a"]), SYNC_TIMEOUT_S)
+            waits.append(time.monotonic() - started)
+            time.sleep(0.7)
+        assert max(waits) < 3.0, waits  # a's events were never held behind stuck's fetch
+        assert set(CHAIN[:4]) <= table.node_keys("a")
     finally:
         listener.close()
         server.stop()

@@ -10,6 +10,10 @@ One thread, one poll over every node's SUB socket, its connection monitor and a 
   a bounded list (past it, the node is resynchronized from a snapshot again);
 * a snapshot that fails (the node's admin API is not up yet) is tried again every
   ``SNAPSHOT_RETRY_S`` until it succeeds or the connection drops.
+
+Snapshots are fetched on worker threads (a node whose admin API hangs must not hold up every
+other node's events); the node's batches wait in its list meanwhile, and the result is applied
+on the polling thread, unless the node's connection changed since it was asked for.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import zmq
@@ -32,6 +37,7 @@ log = logging.getLogger("kvtier.router")
 
 PENDING_BATCHES_MAX = 100_000  # batches held for a node that is catching up
 SNAPSHOT_RETRY_S = 0.5  # a node whose snapshot failed (its admin API not up yet, say) is asked again this soon
+SNAPSHOT_WORKERS_MAX = 8  # snapshots fetched at once
 
 
 class EventSubscriber:
@@ -45,6 +51,12 @@ class EventSubscriber:
         self._monitors: dict[zmq.Socket, str] = {}
         self._pending: dict[str, list[tuple[int, fmt.KVEventBatch]]] = {n: [] for n in self.nodes}
         self._snapshot_due: dict[str, float] = {}  # node -> when to try its failed snapshot again (monotonic)
+        self._fetching: dict[str, tuple[int, Future]] = {}  # node -> (its connection epoch then, the fetch)
+        self._epoch: Counter[str] = Counter()  # per node: grows at every connect and disconnect
+        self._fetches = ThreadPoolExecutor(max_workers=max(1, min(SNAPSHOT_WORKERS_MAX, len(nodes))),
+                                           thread_name_prefix="kvtier-router-snapshot")
+        self._fetched_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # a fetch ended
+        self._fetched_lock = threading.Lock()  # the fd is closed at stop(); a fetch may end later
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -75,6 +87,10 @@ class EventSubscriber:
         for monitor in self._monitors:
             monitor.close(linger=0)
         self._ctx.term()
+        self._fetches.shutdown(wait=False, cancel_futures=True)
+        with self._fetched_lock:
+            os.close(self._fetched_fd)
+            self._fetched_fd = -1
         os.close(self._stop_fd)
 
     def statistics(self) -> dict:
@@ -89,6 +105,7 @@ class EventSubscriber:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._stop_fd, zmq.POLLIN)
+        poller.register(self._fetched_fd, zmq.POLLIN)
         by_socket = {sub: node for node, sub in self._subs.items()}
         for sock in (*self._subs.values(), *self._monitors):
             poller.register(sock, zmq.POLLIN)
@@ -97,6 +114,10 @@ class EventSubscriber:
             ready = dict(poller.poll(None if due is None else max(0, int((due - time.monotonic()) * 1000)) + 1))
             if self._stop_fd in ready:
                 return
+            if self._fetched_fd in ready:
+                os.eventfd_read(self._fetched_fd)
+                for node in [n for n, (_, f) in self._fetching.items() if f.done()]:
+                    self._guarded(node, self._snapshot_fetched, node)
             now = time.monotonic()
             for node in [n for n, at in self._snapshot_due.items() if at <= now]:
                 self._guarded(node, self._resync_from_snapshot, node)
@@ -123,12 +144,16 @@ class EventSubscriber:
             event = recv_monitor_message(sock)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._count("connects")
+                self._epoch[node] += 1
+                self._fetching.pop(node, None)  # one asked for before this connection: not its state
                 self._resync_from_snapshot(node)
             elif event == zmq.EVENT_DISCONNECTED:
                 self._count("disconnects")
+                self._epoch[node] += 1
                 self.table.set_down(node)
                 self._pending[node].clear()
                 self._snapshot_due.pop(node, None)
+                self._fetching.pop(node, None)
 
     def _on_messages(self, node: str, sock: zmq.Socket) -> None:
         while True:
@@ -143,7 +168,7 @@ class EventSubscriber:
                 log.warning("event=bad_kv_event node=%s error=%s", node, exc)
                 continue
             self._count("batches_received")
-            if self._pending[node]:  # catching up: keep the order
+            if self._pending[node] or node in self._fetching:  # catching up: keep the order
                 self._hold(node, seq, batch)
                 self._catch_up(node)
             elif self.table.apply(node, seq, batch) is ApplyOutcome.GAP:
@@ -170,6 +195,8 @@ class EventSubscriber:
 
     def _catch_up(self, node: str) -> None:
         """Close a gap: the replay socket first, then a snapshot."""
+        if node in self._fetching:  # a snapshot is on its way: the held batches wait for it
+            return
         if self._drain(node) or node in self._snapshot_due:  # a failed snapshot is retried on its timer
             return
         applied = self.table.node_seq(node)
@@ -186,8 +213,25 @@ class EventSubscriber:
         self._resync_from_snapshot(node)
 
     def _resync_from_snapshot(self, node: str) -> None:
+        """Ask for the node's snapshot on a worker (once at a time); :meth:`_snapshot_fetched` applies it."""
+        if node in self._fetching:
+            return
+        self._snapshot_due.pop(node, None)
+        future = self._fetches.submit(fetch_snapshot, self.nodes[node])
+        self._fetching[node] = (self._epoch[node], future)
+        future.add_done_callback(self._wake_for_fetched)
+
+    def _wake_for_fetched(self, _future: Future) -> None:
+        with self._fetched_lock:
+            if self._fetched_fd >= 0:
+                os.eventfd_write(self._fetched_fd, 1)
+
+    def _snapshot_fetched(self, node: str) -> None:
+        epoch, future = self._fetching.pop(node)
+        if epoch != self._epoch[node]:
+            return  # asked for before the node's connection changed
         try:
-            snapshot = fetch_snapshot(self.nodes[node])
+            snapshot = future.result()
         except SourceError as exc:
             self._count("snapshot_failures")
             log.warning("event=snapshot_failed %s", exc)
