@@ -192,3 +192,36 @@ def test_a_prefix_that_shrinks_while_streaming_is_prefilled_again(model, daemon)
             result = prefill(model, ids, cache, store=False)
     assert result.loaded_tokens == 32
     assert torch.equal(result.logits, suffix_prefill_in_memory(model, ids, ref_cache, 32))
+
+
+def test_a_daemon_gone_before_the_load_is_a_full_prefill(model, tmp_path):
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(9))
+    ideal, _ = full_prefill(model, ids)
+    daemon = start_kvtierd(tmp_path / "gone")
+    ns = namespace_for(model, "test/llama-random@seed0", BLOCK_TOKENS, codec="raw")
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0, timeout_s=2.0) as cache:
+        assert prefill(model, ids, cache).stored_blocks == 2
+        daemon.kill()
+        result = prefill(model, ids, cache)
+    assert (result.loaded_tokens, result.stored_blocks) == (0, 0)
+    assert torch.allclose(result.logits, ideal, atol=1e-4)
+
+
+def test_a_daemon_failing_while_the_prefix_streams_in_is_a_full_prefill(model, daemon):
+    from kvtier.wire.events import ConnectionLost
+
+    ns = _grouped_namespace(model, groups=3)
+    ids = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(10))
+    ideal, _ = full_prefill(model, ids)
+    with KVCache(ns, daemon.data_addr, hot_pool_bytes=0) as cache:
+        prefill(model, ids, cache)
+        fetch = cache._warm.fetch
+
+        def failing_after_group_0(keys, prefix_only, transports, groups=None, **kw):
+            if groups == [1]:
+                raise ConnectionLost("the daemon went away mid-load")
+            return fetch(keys, prefix_only, transports, groups, **kw)
+        cache._warm.fetch = failing_after_group_0
+        result = prefill(model, ids, cache, store=False)
+    assert result.loaded_tokens == 0
+    assert torch.allclose(result.logits, ideal, atol=1e-4)

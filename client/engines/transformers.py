@@ -11,7 +11,9 @@
 
 A prefix that shrinks while loading (a block evicted or corrupt after the LOOKUP) is
 noticed at the next layer's wait; the prompt is then prefilled again from the prefix
-that is still good. ``streaming=False`` loads the whole prefix before the model runs.
+that is still good. A daemon that cannot be reached, or fails while the prefix streams in,
+is a miss: the whole prompt is prefilled (and its store, if that fails too, stores nothing);
+both are logged. ``streaming=False`` loads the whole prefix before the model runs.
 
 At least one token is always prefilled (the model must produce the last
 token's logits), so a fully stored prompt loads ``T-1`` tokens rounded down
@@ -26,11 +28,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.common.keys import KVLayout, Namespace
+from kvtier.wire.events import ClientError
+
+log = logging.getLogger(__name__)
+
+STORE_ERRORS = (ClientError, OSError)  # the daemon unreachable or failing: a miss, never the prefill's failure
 
 TRANSFORMERS_MIN = (5, 0)
 TRANSFORMERS_BELOW = (6, 0)
@@ -163,24 +171,44 @@ def prefill(model: Any, input_ids: Any, kvcache: Any, store: bool = True, stream
         raise ValueError("input_ids is empty: nothing to prefill")
     tokens = input_ids[0].tolist()
     argument = _cache_argument(model)
+    def run(start: int, cache):
+        return model(input_ids[:, start:], use_cache=True, logits_to_keep=1, **{argument: cache})
+
     with torch.inference_mode():
         t0 = time.perf_counter()
-        if streaming:
-            loaded = kvcache.start_load(tokens, max_tokens=total - 1)
-            cache = streaming_cache(loaded)
-        else:
-            loaded = kvcache.load(tokens, max_tokens=total - 1)
-            cache = cache_from_layers(loaded.layers)
+        loaded_tokens, cache = 0, cache_from_layers(())
+        try:
+            if streaming:
+                loaded = kvcache.start_load(tokens, max_tokens=total - 1)
+                loaded_tokens, cache = loaded.num_tokens, streaming_cache(loaded)
+            else:
+                loaded = kvcache.load(tokens, max_tokens=total - 1)
+                loaded_tokens, cache = loaded.num_tokens, cache_from_layers(loaded.layers)
+        except STORE_ERRORS as exc:
+            log.warning("kvtier could not load the prefix (%s); prefilling all %d tokens", exc, total)
         t1 = time.perf_counter()
         try:
-            out = model(input_ids[:, loaded.num_tokens:], use_cache=True, logits_to_keep=1, **{argument: cache})
+            out = run(loaded_tokens, cache)
         except PrefixShortened as shrunk:
-            loaded = kvcache.load(tokens, max_tokens=shrunk.valid_tokens)
-            cache = cache_from_layers(loaded.layers)
-            out = model(input_ids[:, loaded.num_tokens:], use_cache=True, logits_to_keep=1, **{argument: cache})
+            try:
+                loaded = kvcache.load(tokens, max_tokens=shrunk.valid_tokens)
+                loaded_tokens, cache = loaded.num_tokens, cache_from_layers(loaded.layers)
+            except STORE_ERRORS as exc:
+                log.warning("kvtier could not load the prefix (%s); prefilling all %d tokens", exc, total)
+                loaded_tokens, cache = 0, cache_from_layers(())
+            out = run(loaded_tokens, cache)
+        except STORE_ERRORS as exc:  # the daemon failed while the prefix streamed in
+            log.warning("kvtier failed while loading the prefix (%s); prefilling all %d tokens", exc, total)
+            loaded_tokens, cache = 0, cache_from_layers(())
+            out = run(0, cache)
         t2 = time.perf_counter()
-        stored = kvcache.store(tokens, layers_of_cache(cache)) if store else 0
+        stored = 0
+        if store:
+            try:
+                stored = kvcache.store(tokens, layers_of_cache(cache))
+            except STORE_ERRORS as exc:
+                log.warning("kvtier could not store the prompt's blocks (%s)", exc)
         t3 = time.perf_counter()
     return PrefillResult(logits=out.logits[:, -1], cache=cache, prompt_tokens=total,
-                         loaded_tokens=loaded.num_tokens, stored_blocks=stored,
+                         loaded_tokens=loaded_tokens, stored_blocks=stored,
                          load_s=t1 - t0, prefill_s=t2 - t1, store_s=t3 - t2)
