@@ -36,21 +36,23 @@ log = logging.getLogger(__name__)
 GROUPS_IN_FLIGHT = 1  # group fetches in flight (the next starts when one is in)
 
 
-def stream_groups(load: PrefixLoad, out, first: int, fetch: Callable, decoder, executor: Executor,
-                  done: Callable[[], None]) -> None:
-    """Fill blocks ``first ..`` of ``out`` group by group: ``fetch([g], count_blocks=..., blocks=n)``
-    returns the objects of group g of the first ``n`` blocks (all with ``n=None``), None per
-    miss; ``done()`` runs once all are in."""
+def stream_groups(load: PrefixLoad, out, first: int, keys: list[bytes], fetch: Callable, decoder,
+                  executor: Executor, done: Callable[[], None]) -> None:
+    """Fill blocks ``first ..`` of ``out`` (the blocks of ``keys``) group by group:
+    ``fetch(keys, groups=[g], count_blocks=...)`` returns the objects of group g of those keys'
+    blocks, None per miss; ``done()`` runs once all are in."""
     ahead: list[Future] = []
     good: int | None = None  # once a block failed: the leading blocks whose every group so far is in
     error: BaseException | None = None
     try:
         groups = load.layout.layer_groups
-        ahead.extend(executor.submit(fetch, [g], count_blocks=(g == 0)) for g in range(min(GROUPS_IN_FLIGHT, groups)))
+        ahead.extend(executor.submit(fetch, keys, groups=[g], count_blocks=(g == 0))
+                     for g in range(min(GROUPS_IN_FLIGHT, groups)))
         for group in range(groups):
             objects = ahead[group].result()
             if group + GROUPS_IN_FLIGHT < groups:
-                ahead.append(executor.submit(fetch, [group + GROUPS_IN_FLIGHT], count_blocks=False, blocks=good))
+                ahead.append(executor.submit(fetch, keys if good is None else keys[:good],
+                                             groups=[group + GROUPS_IN_FLIGHT], count_blocks=False))
             wanted = len(objects) if good is None else min(good, len(objects))
             decoded = next((i for i in range(wanted) if objects[i] is None
                             or not decoder.decode_into_tokens(objects[i], out, first + i, [group])), wanted)

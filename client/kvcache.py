@@ -312,12 +312,9 @@ class KVCache(AsyncTwins):
 
     def _stream_groups(self, load: PrefixLoad, out, keys: list[bytes], first: int) -> None:
         """Fetch and decode each layer group of the warm blocks in turn (:mod:`.group_streamer`)."""
-        landing = self._decoder.landing(out, first)  # raw: straight into out
-
-        def fetch(groups: list[int], count_blocks: bool, blocks: int | None = None) -> list:
-            return self._warm.fetch(keys[:blocks], True, load.transports, groups, count_blocks=count_blocks,
-                                    landing=landing)
-        stream_groups(load, out, first, fetch, self._decoder, self._group_fetches, lambda: self._keep_hot(
+        fetch = functools.partial(self._warm.fetch, prefix_only=True, transports=load.transports,
+                                  landing=self._decoder.landing(out, first))  # raw: straight into out
+        stream_groups(load, out, first, keys, fetch, self._decoder, self._group_fetches, lambda: self._keep_hot(
             keys, lambda slot, i: copy_tensor(slot, out[:, :, 0, :, self._block_tokens(first + i)])))
 
     def _block_tokens(self, index: int) -> slice:
@@ -494,16 +491,8 @@ class KVCache(AsyncTwins):
         saves queued so far: for blocks that failed to load, so that the recomputed blocks saved
         after this replace them (a daemon keeps the first block put under a key). The future
         holds the objects deleted, 0 where that failed (logged). Raises ClientError once closed."""
-        keys = list(keys)
-
-        def delete() -> int:
-            try:
-                return self._warm.delete(keys)
-            except (p.ClientError, OSError) as exc:
-                log.warning("event=delete_failed blocks=%d error=%s", len(keys), exc)
-                return 0
         try:
-            return self._saves.then(delete)
+            return self._saves.then(functools.partial(self._warm.delete, list(keys)))
         except RuntimeError:
             raise p.ClientError("the cache is closed") from None
 

@@ -182,10 +182,18 @@ class WarmTier:
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete every layer group of ``keys``' blocks on each of their owners among the live
         members; returns how many objects were deleted. An owner that fails is logged and
-        skipped (its copy is deleted by a later failure, or ages out)."""
+        skipped (its copy is deleted by a later failure, or ages out); any other failure (no live
+        members, the cache closed, a refusal) is logged and deletes are given up: 0."""
         keys = list(keys)
         if not keys:
             return 0
+        try:
+            return self._delete_on_owners(keys)
+        except (p.ClientError, OSError) as exc:
+            log.warning("event=delete_failed blocks=%d error=%s", len(keys), exc)
+            return 0
+
+    def _delete_on_owners(self, keys: list[bytes]) -> int:
         deleted = 0
         with self._placement(keys) as (batch, place):
             for col in range(place.shape[1]):
