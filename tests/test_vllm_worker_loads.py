@@ -11,24 +11,20 @@ from kvtier.client.kvcache import KVCache  # noqa: E402
 from kvtier.common.keys import KVLayout, Namespace  # noqa: E402
 from kvtier.kernels.paged import HND  # noqa: E402
 
-from daemon_proc import start_kvtierd  # noqa: E402
-
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = start_kvtierd(tmp_path)
-    yield d
-    d.stop()
+def paged_views():
+    """The layers' HND pages [block, kv, head, token, dim] of a small paged cache, zeroed."""
+    return [torch.zeros(8, 2, 2, 16, 8, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]
 
 
-def test_a_load_whose_cache_fails_under_it_is_a_load_error_not_a_crash(daemon):
-    views = [torch.zeros(8, 2, 2, 16, 8, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]  # HND pages
+def test_a_load_whose_cache_fails_under_it_is_a_load_error_not_a_crash(kvtierd):
+    views = paged_views()
     discarded = []
     loads = WorkerLoads(views, HND, lambda cache, keys: discarded.append(keys))
     keys = [bytes([i]) * 16 for i in range(1, 3)]
-    with KVCache(Namespace("vllm-loads", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+    with KVCache(Namespace("vllm-loads", LAYOUT), kvtierd.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
         cache.store_blocks(keys, [torch.ones(LAYOUT.block_shape, dtype=torch.float16) for _ in keys])
 
         def closed_under_it(keys):  # what a load meets when its tenant's cache is retired mid-way
@@ -43,11 +39,11 @@ def test_a_load_whose_cache_fails_under_it_is_a_load_error_not_a_crash(daemon):
     loads.close()
 
 
-def test_finish_sync_says_whether_the_steps_loads_failed(daemon):
-    views = [torch.zeros(8, 2, 2, 16, 8, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]
+def test_finish_sync_says_whether_the_steps_loads_failed(kvtierd):
+    views = paged_views()
     loads = WorkerLoads(views, HND, lambda cache, keys: None)
     keys = [bytes([i]) * 16 for i in range(10, 12)]
-    with KVCache(Namespace("vllm-loads-ok", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+    with KVCache(Namespace("vllm-loads-ok", LAYOUT), kvtierd.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
         cache.store_blocks(keys, [torch.ones(LAYOUT.block_shape, dtype=torch.float16) for _ in keys])
         loads.start("r1", cache, keys, [1, 2], is_async=False)
         assert loads.finish_sync() is False
@@ -58,14 +54,14 @@ def test_finish_sync_says_whether_the_steps_loads_failed(daemon):
     loads.close()
 
 
-def test_a_bad_block_is_deleted_off_the_step_ahead_of_the_saves_queued_after_it(daemon):
-    views = [torch.zeros(8, 2, 2, 16, 8, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]
+def test_a_bad_block_is_deleted_off_the_step_ahead_of_the_saves_queued_after_it(kvtierd):
+    views = paged_views()
     keys = [bytes([i]) * 16 for i in range(20, 22)]
     good = [torch.full(LAYOUT.block_shape, float(i + 1), dtype=torch.float16) for i in range(2)]
-    with KVCache(Namespace("vllm-discard", LAYOUT), daemon.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
+    with KVCache(Namespace("vllm-discard", LAYOUT), kvtierd.data_addr, hot_pool_bytes=0, transport="tcp") as cache:
         loads = WorkerLoads(views, HND, lambda cache, keys: cache.delete_blocks_async(keys))
         cache.store_blocks(keys[:1], good[:1])
-        with BlockClient(daemon.data_addr) as client:  # a well-formed block whose payload is cut short
+        with BlockClient(kvtierd.data_addr) as client:  # a well-formed block whose payload is cut short
             client.put(keys[1], encode_block(keys[1], cache.namespace.id, cache.codec.codec_id, b"\0" * 64))
             loads.start("r1", cache, keys, [1, 2], is_async=False)
             assert loads.finish_sync() is True and loads.take_errors() == {2}
