@@ -231,7 +231,7 @@ class _ReservationStalled(Exception):
 class _FrameDeadline:
     """When the frame being received must be in (a monotonic time), and what it carries."""
 
-    def __init__(self, at: float, nbytes: int, allowed_s: float = 0.0) -> None:
+    def __init__(self, at: float, nbytes: int, allowed_s: float) -> None:
         self.at, self.nbytes, self.allowed_s = at, nbytes, allowed_s
 
     def left(self) -> float:

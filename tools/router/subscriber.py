@@ -51,8 +51,7 @@ class EventSubscriber:
         self._monitors: dict[zmq.Socket, str] = {}
         self._pending: dict[str, list[tuple[int, fmt.KVEventBatch]]] = {n: [] for n in self.nodes}
         self._snapshot_due: dict[str, float] = {}  # node -> when to try its failed snapshot again (monotonic)
-        self._fetching: dict[str, tuple[int, Future]] = {}  # node -> (its connection epoch then, the fetch)
-        self._epoch: Counter[str] = Counter()  # per node: grows at every connect and disconnect
+        self._fetching: dict[str, Future] = {}  # node -> its snapshot fetch (dropped when its connection changes)
         self._fetches = ThreadPoolExecutor(max_workers=max(1, min(SNAPSHOT_WORKERS_MAX, len(nodes))),
                                            thread_name_prefix="kvtier-router-snapshot")
         self._fetched_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # a fetch ended
@@ -116,7 +115,7 @@ class EventSubscriber:
                 return
             if self._fetched_fd in ready:
                 os.eventfd_read(self._fetched_fd)
-                for node in [n for n, (_, f) in self._fetching.items() if f.done()]:
+                for node in [n for n, f in self._fetching.items() if f.done()]:
                     self._guarded(node, self._snapshot_fetched, node)
             now = time.monotonic()
             for node in [n for n, at in self._snapshot_due.items() if at <= now]:
@@ -144,12 +143,10 @@ class EventSubscriber:
             event = recv_monitor_message(sock)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._count("connects")
-                self._epoch[node] += 1
                 self._fetching.pop(node, None)  # one asked for before this connection: not its state
                 self._resync_from_snapshot(node)
             elif event == zmq.EVENT_DISCONNECTED:
                 self._count("disconnects")
-                self._epoch[node] += 1
                 self.table.set_down(node)
                 self._pending[node].clear()
                 self._snapshot_due.pop(node, None)
@@ -218,7 +215,7 @@ class EventSubscriber:
             return
         self._snapshot_due.pop(node, None)
         future = self._fetches.submit(fetch_snapshot, self.nodes[node])
-        self._fetching[node] = (self._epoch[node], future)
+        self._fetching[node] = future
         future.add_done_callback(self._wake_for_fetched)
 
     def _wake_for_fetched(self, _future: Future) -> None:
@@ -227,9 +224,7 @@ class EventSubscriber:
                 os.eventfd_write(self._fetched_fd, 1)
 
     def _snapshot_fetched(self, node: str) -> None:
-        epoch, future = self._fetching.pop(node)
-        if epoch != self._epoch[node]:
-            return  # asked for before the node's connection changed
+        future = self._fetching.pop(node)
         try:
             snapshot = future.result()
         except SourceError as exc:
