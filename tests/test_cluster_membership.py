@@ -53,6 +53,20 @@ def test_registers_under_the_prefix_and_deregisters_on_sigterm(etcd, tmp_path):
         b.stop()
 
 
+def test_an_old_instance_stopping_after_its_successor_leaves_the_successor_registered(etcd, tmp_path):
+    old = start_member(tmp_path / "old", etcd, "node-a")
+    new = start_member(tmp_path / "new", etcd, "node-a")  # same node id: its key replaces the old one's
+    try:
+        assert members_of(etcd.url()) == {"node-a": new.data_addr}
+        assert old.stop() == 0
+        assert members_of(etcd.url()) == {"node-a": new.data_addr}
+        assert new.stop() == 0
+        assert members_of(etcd.url()) == {}
+    finally:
+        old.stop()
+        new.stop()
+
+
 def test_node_id_is_kept_across_restarts_and_advertise_is_registered(etcd, tmp_path):
     d = start_kvtierd(tmp_path / "n", "--cluster", etcd.url(), "--lease-ttl", str(LEASE_TTL_S),
                       "--advertise", "127.0.0.9:7999")

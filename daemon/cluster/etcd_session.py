@@ -81,9 +81,6 @@ class EtcdSession:
     def put(self, key: str, value: bytes, lease_id: int) -> None:
         self._post("/kv/put", {"key": _b64(key), "value": _b64(value), "lease": lease_id})
 
-    def delete(self, key: str) -> None:
-        self._post("/kv/deleterange", {"key": _b64(key)})
-
     def revoke(self, lease_id: int) -> None:
         self._post("/kv/lease/revoke", {"ID": lease_id})
 

@@ -5,7 +5,8 @@
     start()  grant a lease, put /PREFIX/members/NODE_ID under it  (etcd away: ClusterError naming the URL)
     thread   keepalive every TTL/3; a failure is logged and counted and retried every 0.5 s;
              a lease found gone (etcd was away longer than the TTL) is re-registered
-    stop()   delete the key and revoke the lease (SIGTERM); kill -9 lets the lease expire
+    stop()   revoke the lease, and with it the key it holds (SIGTERM); kill -9 lets the lease expire;
+             a successor that re-registered the node id holds the key under its own lease, so it stays
 
 What to do next and what happened is :class:`~.lease_state.LeaseState`'s bookkeeping;
 this file only does the calls (:class:`~.etcd_session.EtcdSession`) and the waiting.
@@ -85,8 +86,8 @@ class ClusterMember:
             return self._state.statistics()
 
     def stop(self) -> bool:
-        """Stop the keepalives, delete the key and revoke the lease. False when etcd did
-        not answer (logged; the lease then expires within its TTL)."""
+        """Stop the keepalives and revoke the lease, which deletes the key only while this
+        instance holds it. False when etcd did not answer (logged; the lease then expires within its TTL)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.settings.step_timeout_s + 1.0)
@@ -95,7 +96,6 @@ class ClusterMember:
             lease_id = self._state.lease_id
             self._state.record(Outcome.STOPPED)
         try:
-            self._session.delete(self.key)
             if lease_id is not None:
                 self._session.revoke(lease_id)
         except EtcdUnavailable as exc:
