@@ -97,6 +97,20 @@ def test_command_line_jobs_and_globals():
     assert (b.name, b.rw, b.time_based) == ("b", "write", True)
 
 
+def test_name_in_a_job_section_sets_the_jobs_name():
+    a, b = build_jobs(list(parse_job_text(f"[global]\n{T}\n[a]\nname=renamed\n[b]\n")))
+    assert (a.name, b.name) == ("renamed", "b")
+
+
+@pytest.mark.parametrize("text,message", [
+    (f"[global]\n{T}\nname=x\n[a]\n", "x.fio:3: name= names one job"),
+    (f"[a]\n{T}\nname=\n", "name= needs a value"),
+])
+def test_name_in_global_or_empty_is_refused(text, message):
+    with pytest.raises(UsageError, match=message):
+        build_jobs(list(parse_job_text(text, "x.fio")))
+
+
 def test_command_line_globals_override_job_file(tmp_path):
     path = tmp_path / "j.fio"
     path.write_text(f"[a]\n{T}\nbs=4k\n")

@@ -425,3 +425,29 @@ def test_ttft_on_a_missing_gpu_is_a_usage_error(kvtierd, capsys):
                 "--prompt_tokens=40", "--cached_tokens=32", "--ttft_device=cuda"])
     assert code == 2
     assert "ttft_device=cuda: torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_name_in_a_job_section_names_the_job(kvtierd, capsys, tmp_path):
+    job = tmp_path / "named.fio"
+    job.write_text(f"[global]\ntarget=tcp://{kvtierd.data_addr}\nbs=64k\nsize=1m\n"
+                   "[seqwrite]\nname=put\nrw=write\ngate=write.bw_bytes>=1\n[get]\nrw=read\n")
+    code, doc, err = kvperf_json(capsys, str(job), "--gate=put:write_bw>=1")
+    assert code == EXIT_OK, err
+    assert [j["jobname"] for j in doc["jobs"]] == ["put", "get"]
+    assert [(g["job"], g["pass"]) for g in doc["gates"]] == [("put", True), ("put", True)]
+    code, doc, err = kvperf_json(capsys, str(job), "--section=seqwrite")  # fio's --section takes the header
+    assert code == EXIT_OK, err
+    assert [j["jobname"] for j in doc["jobs"]] == ["put"]
+
+
+@pytest.mark.parametrize("rw", ["write", "read", "randread"])
+def test_a_partial_last_batch_is_run(kvtierd, capsys, rw):
+    blocks, batch = 10, 4  # two full batches and a tail of two blocks
+    code, doc, err = kvperf_json(capsys, f"--target=tcp://{kvtierd.data_addr}", "--bs=64k", f"--size={blocks * 64}k",
+                                 f"--batch={batch}", "--verify=1", f"--name={rw}", f"--rw={rw}")
+    assert code == EXIT_OK, err
+    (job,) = doc["jobs"]
+    direction = job["write" if rw == "write" else "read"]
+    assert direction["total_ios"] == -(-blocks // batch)
+    assert direction["io_bytes"] == blocks * (64 << 10)
+    assert job["verified_blocks"] == (blocks if rw == "write" else 0)

@@ -9,7 +9,8 @@ One clone runs ``iodepth`` requests at once on one event loop::
   with ``verify_only`` -- then a missing block is a verify error.
 - measured: sequential or random (each block once per pass, like fio's
   random map) over the clone's ``size // bs`` blocks, ``batch`` blocks per
-  request; ``time_based`` repeats passes until ``runtime``.
+  request (the last request of a pass takes the blocks left over, so a pass
+  covers every block); ``time_based`` repeats passes until ``runtime``.
 - verify: after a write job with ``verify``, every block written is read back
   and checked against its key.
 """
@@ -70,7 +71,7 @@ def _ops(job: JobOptions, rng: np.random.Generator) -> Iterator[tuple[str, list[
     """(direction, block indexes) for each request, in issue order."""
     while True:
         order = _index_order(job, rng)
-        for start in range(0, len(order) - job.batch + 1, job.batch):
+        for start in range(0, len(order), job.batch):  # the last request of a pass may be short
             chunk = [int(i) for i in order[start:start + job.batch]]
             if job.rw in ("rw", "randrw"):
                 yield ("read" if rng.random() * 100 < job.rwmixread else "write"), chunk

@@ -15,7 +15,8 @@ A job file is INI as fio reads it::
 A ``[global]`` section applies to the jobs that follow it (a later
 ``[global]`` adds to it for the jobs after it, as in fio). An option without
 ``=`` is a flag (``time_based``). ``gate`` may repeat; for every other option the
-last value wins.
+last value wins. ``name=`` in a job section sets the name the job is reported
+under (the section's name otherwise, as in fio); in ``[global]`` it is an error.
 
 On the command line every option is ``--option=value``; ``--name=NAME`` starts
 a job, and options before the first ``--name`` are global. Values stay strings
@@ -31,6 +32,7 @@ from .units import UsageError
 
 JOB_FILE_BYTES_MAX = 1 << 20  # a job file is a page of text; refuse anything that is not
 GLOBAL_SECTION = "global"
+NAME_OPTION = "name"  # names the job in a section; starts a job on the command line
 REPEATABLE_OPTIONS = frozenset({"gate"})
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _OPTION_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -116,6 +118,8 @@ def parse_job_text(text: str, source: str = "<job file>", builder: _Builder | No
         if current is None:
             raise UsageError(f"{where}: option {line!r} comes before any [section]")
         key, value = split_option(line, where)
+        if key == NAME_OPTION and current is b.global_options:
+            raise UsageError(f"{where}: name= names one job; put it in a job section, not [{GLOBAL_SECTION}]")
         if key == "gate" and current is b.global_options:
             b.global_gates.append(value)  # a [global] gate judges every job that reports the metric
         else:
@@ -153,7 +157,7 @@ def parse_sources(job_files: list[str], cli_options: list[tuple[str, str]]) -> J
     cli_global: list[tuple[str, str]] = []
     cli_jobs: list[tuple[str, list[tuple[str, str]]]] = []
     for key, value in cli_options:
-        if key == "name":
+        if key == NAME_OPTION:
             if not value:
                 raise UsageError("--name needs a value")
             cli_jobs.append((value, []))

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Callable
 
 from kvtier.common.codec_ids import codec_id
 
 from .ioengines import IOENGINES
-from .jobfile import RawJob
+from .jobfile import NAME_OPTION, RawJob
 from .models import BUILTIN_MODELS, parse_model
 from .units import (UsageError, parse_bool, parse_float, parse_int, parse_int_list,
                     parse_time_s)
@@ -106,6 +106,8 @@ def _o(name: str, parse, help: str, field_name: str = "") -> Option:
 
 
 OPTIONS: dict[str, Option] = {o.name: o for o in (
+    _o(NAME_OPTION, _text, "the job's name in the report (default: its section's name); "
+       "on the command line --name starts a job"),
     _o("rw", _rw, "workload: " + ", ".join(RW_MODES)),
     _o("readwrite", _rw, "same as rw", "rw"),
     _o("bs", lambda o, t: parse_int(o, t, 1, BLOCK_BYTES_MAX), "block payload size (k/m/g)"),
@@ -230,17 +232,15 @@ class JobOptions:
 
 
 def _unknown(name: str, raw: RawJob) -> UsageError:
-    close = difflib.get_close_matches(name, list(OPTIONS) + ["gate", "name"], n=1)
+    close = difflib.get_close_matches(name, list(OPTIONS) + ["gate"], n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return UsageError(f"job {raw.name!r} ({raw.source}): unknown option {name!r}{hint}")
 
 
 def build_job(raw: RawJob) -> JobOptions:
     """Type and validate one job's options."""
-    values: dict[str, object] = {"name": raw.name}
+    values: dict[str, object] = {"name": raw.name}  # a name= in the section overrides it
     for key, text in raw.values().items():
-        if key == "name":
-            continue
         opt = OPTIONS.get(key)
         if opt is None:
             raise _unknown(key, raw)
@@ -287,5 +287,5 @@ def build_jobs(raws: list[RawJob]) -> list[JobOptions]:
 
 def option_help() -> list[tuple[str, str, str]]:
     """(name, default, help) for ``kvperf --cmdhelp``."""
-    defaults = {f.name: f.default for f in fields(JobOptions)}
+    defaults = {f.name: "" if f.default is MISSING else f.default for f in fields(JobOptions)}
     return [(o.name, str(defaults.get(o.field, "")), o.help) for o in OPTIONS.values()]
