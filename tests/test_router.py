@@ -9,13 +9,14 @@ import urllib.error
 import urllib.request
 
 import pytest
+import zmq
 
 from kvtier.client import BlockClient, EdgePicker
 from kvtier.common.blockformat import encode_block
 from kvtier.common.keys import KVLayout, Namespace
 from kvtier.daemon.events.snapshot import snapshot_from_document
 from kvtier.tools.router.cli import start_router
-from kvtier.tools.router.node_sources import NodeSpec
+from kvtier.tools.router.node_sources import REPLAY_TIMEOUT_S, NodeSpec
 from kvtier.tools.router.subscriber import EventSubscriber
 
 from kv_events_fixtures import admin_get, start_events_daemon
@@ -247,3 +248,35 @@ def test_a_node_whose_admin_api_hangs_does_not_hold_up_the_others_events(nodes):
         server.stop()
         subscriber.stop()
         lookups.close()
+
+
+def test_a_node_whose_replay_socket_hangs_does_not_hold_up_the_others_events(nodes):
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes replay requests, and never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    replay_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    b = nodes["b"]
+    stuck = NodeSpec("stuck", b.events_endpoint, f"http://{b.admin_addr}", f"tcp://127.0.0.1:{replay_port}")
+    server, subscriber, _, lookups = start_router([spec("a", nodes["a"]), stuck], "127.0.0.1", 0, None,
+                                                  probe_fraction=0.0)
+    try:
+        table = server.router.table
+        put(b, CHAIN[:3])
+        wait_synced(table, {"a": nodes["a"], "stuck": b}, "a", "stuck")
+        table.load_snapshot("stuck", table.node_seq("stuck") - 2, set(CHAIN[:1]))  # as if two batches were missed
+        put(b, CHAIN[3:4])  # shows stuck's gap: a replay is asked for, and never answered
+        time.sleep(0.2)
+        started = time.monotonic()
+        put(nodes["a"], CHAIN[:1])
+        assert table.wait_synced_to("a", seq_last(nodes["a"]), SYNC_TIMEOUT_S)
+        waited_s = time.monotonic() - started
+        assert waited_s < REPLAY_TIMEOUT_S / 2, f"a's batch waited {waited_s:.2f} s behind stuck's replay"
+        wait_synced(table, {"stuck": b}, "stuck")  # the replay timed out: the snapshot closed the gap
+        assert table.node_keys("stuck") == set(CHAIN[:4]) == true_keys(b)
+        assert subscriber.statistics()["replay_failures"] >= 1
+    finally:
+        server.stop()
+        subscriber.stop()
+        lookups.close()
+        silent.close(linger=0)
+        ctx.term()

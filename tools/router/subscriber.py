@@ -11,18 +11,21 @@ One thread, one poll over every node's SUB socket, its connection monitor and a 
 * a snapshot that fails (the node's admin API is not up yet) is tried again every
   ``SNAPSHOT_RETRY_S`` until it succeeds or the connection drops.
 
-Snapshots are fetched on worker threads (a node whose admin API hangs must not hold up every
-other node's events); the node's batches wait in its list meanwhile, and the result is applied
-on the polling thread, unless the node's connection changed since it was asked for.
+Snapshots and replays are fetched on worker threads (a node whose admin API or replay socket
+hangs must not hold up every other node's events); the node's batches wait in its list
+meanwhile, and the result is applied on the polling thread, unless the node's connection
+changed since it was asked for.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Sequence
 
 import zmq
@@ -37,7 +40,7 @@ log = logging.getLogger("kvtier.router")
 
 PENDING_BATCHES_MAX = 100_000  # batches held for a node that is catching up
 SNAPSHOT_RETRY_S = 0.5  # a node whose snapshot failed (its admin API not up yet, say) is asked again this soon
-SNAPSHOT_WORKERS_MAX = 8  # snapshots fetched at once
+FETCH_WORKERS_MAX = 8  # snapshots and replays fetched at once
 
 
 class EventSubscriber:
@@ -51,9 +54,9 @@ class EventSubscriber:
         self._monitors: dict[zmq.Socket, str] = {}
         self._pending: dict[str, list[tuple[int, fmt.KVEventBatch]]] = {n: [] for n in self.nodes}
         self._snapshot_due: dict[str, float] = {}  # node -> when to try its failed snapshot again (monotonic)
-        self._fetching: dict[str, Future] = {}  # node -> its snapshot fetch (dropped when its connection changes)
-        self._fetches = ThreadPoolExecutor(max_workers=max(1, min(SNAPSHOT_WORKERS_MAX, len(nodes))),
-                                           thread_name_prefix="kvtier-router-snapshot")
+        self._fetching: dict[str, _Fetch] = {}  # node -> its replay or snapshot (dropped when its connection changes)
+        self._fetches = ThreadPoolExecutor(max_workers=max(1, min(FETCH_WORKERS_MAX, len(nodes))),
+                                           thread_name_prefix="kvtier-router-fetch")
         self._fetched_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # a fetch ended
         self._fetched_lock = threading.Lock()  # the fd is closed at stop(); a fetch may end later
         self._counts: Counter[str] = Counter()
@@ -115,8 +118,8 @@ class EventSubscriber:
                 return
             if self._fetched_fd in ready:
                 os.eventfd_read(self._fetched_fd)
-                for node in [n for n, f in self._fetching.items() if f.done()]:
-                    self._guarded(node, self._snapshot_fetched, node)
+                for node in [n for n, f in self._fetching.items() if f.future.done()]:
+                    self._guarded(node, self._fetched, node)
             now = time.monotonic()
             for node in [n for n, at in self._snapshot_due.items() if at <= now]:
                 self._guarded(node, self._resync_from_snapshot, node)
@@ -192,30 +195,26 @@ class EventSubscriber:
 
     def _catch_up(self, node: str) -> None:
         """Close a gap: the replay socket first, then a snapshot."""
-        if node in self._fetching:  # a snapshot is on its way: the held batches wait for it
+        if node in self._fetching:  # a replay or snapshot is on its way: the held batches wait for it
             return
         if self._drain(node) or node in self._snapshot_due:  # a failed snapshot is retried on its timer
             return
         applied = self.table.node_seq(node)
-        spec = self.nodes[node]
-        if applied is not None and spec.replay is not None:
-            try:
-                self._pending[node] += request_replay(self._ctx, spec, applied + 1)
-                self._count("replays")
-                if self._drain(node):
-                    return
-            except SourceError as exc:
-                self._count("replay_failures")
-                log.warning("event=replay_failed %s", exc)
-        self._resync_from_snapshot(node)
+        if applied is not None and self.nodes[node].replay is not None:
+            self._fetch(node, _Kind.REPLAY, request_replay, self._ctx, self.nodes[node], applied + 1)
+        else:
+            self._resync_from_snapshot(node)
 
     def _resync_from_snapshot(self, node: str) -> None:
-        """Ask for the node's snapshot on a worker (once at a time); :meth:`_snapshot_fetched` applies it."""
+        """Ask for the node's snapshot (once at a time); :meth:`_snapshot_fetched` applies it."""
         if node in self._fetching:
             return
         self._snapshot_due.pop(node, None)
-        future = self._fetches.submit(fetch_snapshot, self.nodes[node])
-        self._fetching[node] = future
+        self._fetch(node, _Kind.SNAPSHOT, fetch_snapshot, self.nodes[node])
+
+    def _fetch(self, node: str, kind: "_Kind", read, *args) -> None:
+        future = self._fetches.submit(read, *args)
+        self._fetching[node] = _Fetch(kind, future)
         future.add_done_callback(self._wake_for_fetched)
 
     def _wake_for_fetched(self, _future: Future) -> None:
@@ -223,8 +222,28 @@ class EventSubscriber:
             if self._fetched_fd >= 0:
                 os.eventfd_write(self._fetched_fd, 1)
 
-    def _snapshot_fetched(self, node: str) -> None:
-        future = self._fetching.pop(node)
+    def _fetched(self, node: str) -> None:
+        fetch = self._fetching.pop(node)
+        if fetch.kind is _Kind.SNAPSHOT:
+            self._snapshot_fetched(node, fetch.future)
+        else:
+            self._replay_fetched(node, fetch)
+
+    def _replay_fetched(self, node: str, fetch: "_Fetch") -> None:
+        try:
+            batches = fetch.future.result()
+        except SourceError as exc:
+            self._count("replay_failures")
+            log.warning("event=replay_failed %s", exc)
+            if fetch.kind is _Kind.REPLAY:
+                self._resync_from_snapshot(node)
+            return
+        self._pending[node] += batches
+        self._count("replays")
+        if not self._drain(node) and fetch.kind is _Kind.REPLAY:
+            self._resync_from_snapshot(node)
+
+    def _snapshot_fetched(self, node: str, future: Future) -> None:
         try:
             snapshot = future.result()
         except SourceError as exc:
@@ -237,10 +256,18 @@ class EventSubscriber:
         self.table.load_snapshot(node, snapshot.seq, snapshot.keys())
         self._count("snapshots")
         if not self._drain(node) and self.nodes[node].replay is not None:
-            try:  # batches published before our subscription took effect: the replay has them
-                self._pending[node] += request_replay(self._ctx, self.nodes[node], snapshot.seq + 1)
-                self._count("replays")
-                self._drain(node)
-            except SourceError as exc:
-                self._count("replay_failures")
-                log.warning("event=replay_failed %s", exc)
+            # batches published before our subscription took effect: the replay has them
+            self._fetch(node, _Kind.REPLAY_AFTER_SNAPSHOT, request_replay, self._ctx, self.nodes[node],
+                        snapshot.seq + 1)
+
+
+class _Kind(enum.Enum):
+    SNAPSHOT = "snapshot"
+    REPLAY = "replay"  # a gap's: one that fails or falls short is followed by a snapshot
+    REPLAY_AFTER_SNAPSHOT = "replay after snapshot"  # one that fails leaves the gap to the next batch
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    kind: _Kind
+    future: Future
