@@ -32,7 +32,7 @@ A payload may also be scattered over several buffers
 from __future__ import annotations
 
 from kvtier.wire import readers, writers
-from kvtier.wire.frames import FRAME_HEADER_SIZE, KNOWN_FLAGS, REQUEST_ID_MAX, FrameHead, pack_header
+from kvtier.wire.frames import FRAME_HEADER_SIZE, REQUEST_ID_MAX, FrameHead, flags_taken, pack_header
 from kvtier.wire.payload_pieces import PayloadPieces
 from kvtier.wire.readers import PackedKeys  # noqa: F401  (re-exported)
 from kvtier.wire.state import (Admission, ConnectionState, Input, OutstandingRequests, Receive, SentRequest,
@@ -289,9 +289,7 @@ class Connection:
         try:
             if decoder is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {head.op:#04x}", head.request_id, fatal=False)
-            if head.flags & ~KNOWN_FLAGS:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown flags {head.flags:#x}", head.request_id,
-                                    fatal=False)
+            readers.check_flags(head)
             self._parsed = decoder[0](head, meta, self.limits)
             if self._answers is not None:
                 check_reply_meta(self._answers, head, self._parsed)
@@ -326,6 +324,7 @@ class Connection:
         if is_request != (self.role is Role.CLIENT):
             raise TypeError(f"a {self.role.value} cannot send {type(message).__name__}")
         op, flags, rid, count, meta, payload, status = writers.encode_message(message)
+        assert not flags & ~flags_taken(op), f"{type(message).__name__} encoded with flags {flags:#x}, not its op's"
         if request_id is not None:
             rid = request_id
         if not 0 <= rid <= REQUEST_ID_MAX:

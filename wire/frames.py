@@ -9,7 +9,7 @@ JSON) and a *payload* section (block bytes only)::
     0      4    magic        b"KVTP"
     4      1    version      PROTOCOL_VERSION
     5      1    op           Op (requests) or Op | 0x80 (replies); 0x7F|0x80 = ERROR
-    6      2    flags        HAS_NS | DURABLE | WANT_LOCATIONS | READER_VERIFIES | WANT_ORIGIN
+    6      2    flags        FLAG_*: each op takes its own (REQUEST_FLAGS, REPLY_FLAGS), other bits are refused
     8      8    request_id   echoed in the reply
     16     4    count        items in the batch
     20     4    meta_len     bytes of the meta section
@@ -42,8 +42,34 @@ FLAG_READER_VERIFIES = 0x8  # GET: the reader checks payload CRCs itself, the da
 FLAG_WANT_ORIGIN = 0x10  # GET, LOOKUP: the reply says per block whether it was local or fetched upstream
 FLAG_PIN_TTL = 0x20  # PIN: a soft pin; the meta section holds a u32 ttl_ms (after the namespace id) before the keys
 FLAG_SCATTER = 0x40  # NIXL_GET: each item's block is written across extents (the table after the descriptors)
-KNOWN_FLAGS = (FLAG_HAS_NS | FLAG_DURABLE | FLAG_WANT_LOCATIONS | FLAG_READER_VERIFIES | FLAG_WANT_ORIGIN | FLAG_PIN_TTL
-               | FLAG_SCATTER)
+FLAG_NAMES = {FLAG_HAS_NS: "HAS_NS", FLAG_DURABLE: "DURABLE", FLAG_WANT_LOCATIONS: "WANT_LOCATIONS",
+              FLAG_READER_VERIFIES: "READER_VERIFIES", FLAG_WANT_ORIGIN: "WANT_ORIGIN", FLAG_PIN_TTL: "PIN_TTL",
+              FLAG_SCATTER: "SCATTER"}
+KNOWN_FLAGS = sum(FLAG_NAMES)
+FLAG_BITS = 16  # the header's u16
+# The flags each op's frames take; any other bit, defined or not, is refused (a newer peer's flag is
+# never silently dropped). A request op's replies take REPLY_FLAGS.
+REQUEST_FLAGS: dict[int, int] = {
+    m.Op.HELLO: 0,
+    m.Op.LOOKUP: FLAG_HAS_NS | FLAG_WANT_LOCATIONS | FLAG_WANT_ORIGIN,
+    m.Op.GET: FLAG_HAS_NS | FLAG_READER_VERIFIES | FLAG_WANT_ORIGIN,
+    m.Op.PUT: FLAG_HAS_NS | FLAG_DURABLE,
+    m.Op.DELETE: FLAG_HAS_NS,
+    m.Op.PIN: FLAG_HAS_NS | FLAG_PIN_TTL,
+    m.Op.UNPIN: FLAG_HAS_NS,
+    m.Op.FLUSH: 0,
+    m.Op.STATS: 0,
+    m.Op.PING: 0,
+    m.Op.NIXL_METADATA: 0,
+    m.Op.NIXL_GET: FLAG_HAS_NS | FLAG_READER_VERIFIES | FLAG_SCATTER,
+    m.Op.NIXL_PUT: FLAG_HAS_NS | FLAG_DURABLE,
+}
+REPLY_FLAGS: dict[int, int] = {op: 0 for op in m.Op} | {
+    m.Op.LOOKUP: FLAG_WANT_LOCATIONS | FLAG_WANT_ORIGIN,
+    m.Op.GET: FLAG_WANT_ORIGIN,
+}
+assert set(REQUEST_FLAGS) == m.REQUEST_OPS and set(REPLY_FLAGS) == set(m.Op)
+assert all(not flags & ~KNOWN_FLAGS for flags in (*REQUEST_FLAGS.values(), *REPLY_FLAGS.values()))
 
 U16 = struct.Struct("<H")  # HELLO string lengths
 U32 = struct.Struct("<I")  # LOOKUP reply: the leading count
@@ -87,3 +113,26 @@ def pack_header(op: int, flags: int, request_id: int, count: int, meta_len: int,
                 status: int = 0, version: int = m.PROTOCOL_VERSION, magic: bytes = MAGIC) -> bytes:
     """The raw 32-byte header (exposed so tests can build broken frames)."""
     return FRAME_HEADER.pack(magic, version, op, flags, request_id, count, meta_len, payload_len, status, 0)
+
+
+def flags_taken(op: int) -> int:
+    """The flags a frame of ``op`` (a request op, or one with REPLY_BIT) takes; 0 for an unknown op."""
+    table = REPLY_FLAGS if op & m.REPLY_BIT else REQUEST_FLAGS
+    return table.get(op & ~m.REPLY_BIT, 0)
+
+
+def flag_names(flags: int) -> str:
+    """``flags`` by name (``HAS_NS | DURABLE``), an undefined bit as its value, no bit as ``no flags``."""
+    bits = [1 << bit for bit in range(FLAG_BITS) if flags >> bit & 1]
+    return " | ".join(FLAG_NAMES.get(bit, f"{bit:#x}") for bit in bits) or "no flags"
+
+
+def repeated_key(keys) -> str | None:
+    """Which items of a batch that stores blocks name one key twice (the first such pair), or None:
+    such a batch names each key once, as two blocks under one key in one request is a broken client."""
+    seen: dict[bytes, int] = {}
+    for again, key in enumerate(keys):
+        first = seen.setdefault(key, again)
+        if first != again:
+            return f"items {first} and {again} name the same key {bytes(key).hex()}"
+    return None

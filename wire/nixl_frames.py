@@ -35,7 +35,7 @@ import struct
 from kvtier.wire import events as m
 from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_SCATTER, U16,
-                                FrameHead)
+                                FrameHead, repeated_key)
 
 REGION = struct.Struct("<QQ")  # NIXL_METADATA item: address, length_bytes
 assert REGION.size == 16
@@ -167,6 +167,10 @@ def _meta_put(head: FrameHead, meta: bytes, limits: Limits):
         raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT item table of {len(meta) - items_at} bytes does not hold "
                       f"{head.count} items of {SOURCE.size} bytes (16-byte key, u32 extents)")
     items = tuple(SOURCE.iter_unpack(meta[items_at:table_end]))
+    repeat = repeated_key([key for key, _ in items])
+    if repeat is not None:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"NIXL_PUT {repeat}: a batch names each key once; nothing read "
+                      "or stored")
     extents = _extent_lists(head, meta[table_end:], [count for _, count in items], "NIXL_PUT")
     for index, mine in enumerate(extents):
         if not mine or any(n == 0 for _, n in mine):

@@ -21,7 +21,7 @@ from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_WANT_LOCATIONS,
                                 FLAG_WANT_ORIGIN, FRAME_HEADER, KEY_RECORD, LOCATION, LOCATION_PRESENT, LOCATION_RECORD,
                                 LOCATION_SEALED, MAGIC, PUT_ITEM, U16, U32, FrameHead)
-from kvtier.wire.frames import FLAG_PIN_TTL
+from kvtier.wire.frames import FLAG_PIN_TTL, flag_names, flags_taken, repeated_key
 from kvtier.wire import nixl_frames
 
 
@@ -99,6 +99,17 @@ def _reject(head: FrameHead, code: ErrorCode, message: str) -> ProtocolError:
     return ProtocolError(code, message, head.request_id, fatal=False)
 
 
+def check_flags(head: FrameHead) -> None:
+    """Refuse a frame of a known op that carries a flag its op does not take (frames.REQUEST_FLAGS,
+    REPLY_FLAGS): defined for another op, or not defined at all."""
+    taken = flags_taken(head.op)
+    refused = head.flags & ~taken
+    if refused:
+        what = f"{m.Op(head.base_op).name} {'reply' if head.is_reply else 'request'}"
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"{what} carries {flag_names(refused)} ({refused:#x}), a flag it "
+                      f"does not take (it takes {flag_names(taken)})" + ("" if head.is_reply else "; nothing done"))
+
+
 def _split_ns(head: FrameHead, meta: bytes) -> tuple[bytes | None, int]:
     if head.flags & FLAG_HAS_NS:
         if len(meta) < m.KEY_SIZE:
@@ -151,6 +162,9 @@ def _meta_put(head: FrameHead, meta: bytes, limits: Limits):
                       f"PUT item table of {len(meta) - off} bytes does not hold {head.count} items of "
                       f"{PUT_ITEM.size} bytes (16-byte key + u32 length; wrong key size?)")
     items = tuple(PUT_ITEM.iter_unpack(memoryview(meta)[off:]))
+    repeat = repeated_key([key for key, _ in items])
+    if repeat is not None:
+        raise _reject(head, ErrorCode.BAD_REQUEST, f"PUT {repeat}: a batch names each key once; nothing stored")
     total = 0
     for index, (_, length) in enumerate(items):
         if length > limits.block_bytes_max:
