@@ -55,7 +55,7 @@ from .prefix_load import PrefixLoad
 from .save_queue import SAVE_QUEUE_BYTES_MAX, SaveQueue
 from .source_blocks import host_spans
 from .store_pipeline import chunk_bounds, run_pipelined
-from kvtier.common.cluster_url import is_cluster_url
+from kvtier.common.cluster_url import REPLICAS_DEFAULT, is_cluster_url
 from kvtier.common.keys import Namespace
 from .owner_pool import FixedMembers, OwnerPool
 from .warm_tier import Daemon, WarmTier
@@ -67,7 +67,6 @@ DEFAULT_HOT_POOL_BYTES = 256 * 1024 * 1024  # a modest default; engines size it 
 WORKERS_MAX = 4  # prefetch / async-twin threads; loads are I/O-bound and few at a time
 FETCH_STREAMS_MAX = 4  # parallel GET batches per daemon and load: the daemon reads them from its devices at once
 TRANSPORTS = ("auto", "tcp", "direct", "nixl")  # nixl: docs/nixl.md (auto: where installed and offered)
-CLUSTER_REPLICAS_DEFAULT = 2  # copies of each block on an etcd cluster: one node may die
 CLUSTER_IO_OWNERS = 4  # owners one load streams from at once, on an etcd cluster
 
 
@@ -106,7 +105,7 @@ class KVCache(AsyncTwins):
         cluster = len(addrs) == 1 and isinstance(addrs[0], str) and is_cluster_url(addrs[0])  # or a list of one
         if not addrs or len(set(addrs)) != len(addrs):
             raise ValueError(f"need one or more distinct daemon addresses, got {addresses!r}")
-        replicas = (CLUSTER_REPLICAS_DEFAULT if cluster else 1) if replicas is None else replicas
+        replicas = (REPLICAS_DEFAULT if cluster else 1) if replicas is None else replicas
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, got {replicas}")
         self.namespace = namespace

@@ -52,7 +52,7 @@ def test_members_that_leave_take_their_connections_with_them(etcd, tmp_path, mon
             if generation:
                 delete(etcd, f"/region/members/node-{generation - 1}".encode())
             assert eventually(lambda: [n for n, _ in target._members] == [node])
-            for client in target.owners(keys):
+            for client in target.owners_by_rank(keys)[0]:
                 assert client.lookup(keys) == 0  # a pooled connection to the member now
         assert set(target._clients) == {address for _, address in target._members}
     finally:

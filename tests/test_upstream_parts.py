@@ -136,6 +136,46 @@ def test_negative_cache_refuses_nonsense_bounds():
         NegativeCache(ttl_s=0)
 
 
+# -- the rank walk (owners asked in rendezvous order) -------------------------------
+def test_rank_walk_moves_what_a_rank_left_open_to_the_next_owner():
+    from kvtier.daemon.upstream.rank_walk import Answer, RankWalk
+
+    walk = RankWalk(count=3, ranks=2)
+    assert walk.asks({"A": [0, 2], "B": [1]}) == {"A": [0, 2], "B": [1]}
+    walk.answered([0, 2], [Answer.FOUND, Answer.LACKED])
+    walk.answered([1], None)  # B failed
+    walk.end_rank()
+    assert (walk.open, walk.fallbacks, walk.done) == ([1, 2], 2, False)
+    assert walk.asks({"C": [0, 2], "A": [1]}) == {"C": [2], "A": [1]}  # k0 was found: not asked again
+    walk.answered([2], [Answer.FOUND])
+    walk.answered([1], [Answer.LACKED])
+    walk.end_rank()
+    assert (walk.open, walk.fallbacks, walk.fallback_hits, walk.done) == ([1], 2, 1, True)
+    assert walk.absent() == []  # k1: lacked at A, but B never answered for it
+
+
+def test_rank_walk_calls_absent_only_what_every_owner_lacked():
+    from kvtier.daemon.upstream.rank_walk import Answer, RankWalk
+
+    walk = RankWalk(count=2, ranks=2)
+    walk.answered([0, 1], [Answer.LACKED, Answer.UNKNOWN])  # k1: a corrupt copy
+    assert walk.absent() == []  # not before every rank was asked
+    walk.end_rank()
+    walk.answered([0, 1], [Answer.LACKED, Answer.LACKED])
+    walk.end_rank()
+    assert (walk.open, walk.absent()) == ([0, 1], [0])
+    nobody = RankWalk(count=2, ranks=0)  # no member to ask: nothing is known absent
+    assert (nobody.done, nobody.open, nobody.absent()) == (True, [0, 1], [])
+
+
+def test_lookup_answers_stop_at_the_first_miss():
+    from kvtier.daemon.upstream.rank_walk import Answer, lookup_answers
+
+    assert lookup_answers(4, 1) == [Answer.FOUND, Answer.LACKED, Answer.UNKNOWN, Answer.UNKNOWN]
+    assert lookup_answers(2, 2) == [Answer.FOUND, Answer.FOUND]
+    assert lookup_answers(1, 0) == [Answer.LACKED]
+
+
 # -- the store queue --------------------------------------------------------------
 def blocks_of(count: int, size: int = 1000):
     return [(key(i), memoryview(encode_block(key(i), NS, 0, os.urandom(size)))) for i in range(count)]

@@ -32,13 +32,12 @@ from typing import Callable
 from kvtier.client.block_client import BlockClient
 from kvtier.client.cluster_etcd import EtcdError, EtcdReader
 from kvtier.client.cluster_members import ClusterUnavailable, MemberTable, MemberView, open_members
-from kvtier.common.cluster_url import REPAIR_CLIENT_NAME, ClusterUrl, parse_cluster_url
+from kvtier.common.cluster_url import REPAIR_CLIENT_NAME, REPLICAS_DEFAULT, ClusterUrl, parse_cluster_url
 from kvtier.tools.admin_client import AdminClient, AdminError
 from kvtier.tools.cluster_repair_plan import BATCH_KEYS_DEFAULT, RepairPlan, plan_repairs
 
 log = logging.getLogger("kvtier.tools.cluster_repair")
 
-REPLICAS_DEFAULT = 2  # as KVCache on an etcd cluster
 RATE_BYTES_S_DEFAULT = 64 << 20  # a background copy: well under a node's bandwidth
 RATE_BYTES_S_MIN = 1 << 20
 INTERVAL_S_DEFAULT = 60.0  # a pass this often even without a membership change

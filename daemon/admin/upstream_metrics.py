@@ -30,6 +30,9 @@ _COUNTERS = (
      "Keys answered as a miss from the negative cache without asking the upstream."),
     ("skipped_down", "kvtier_upstream_skipped",
      "Upstream calls not made because that upstream failed moments ago (backoff)."),
+    ("fallbacks", "kvtier_upstream_fallbacks",
+     "Keys asked again of their next owner in the region: the one before failed, lacked or corrupted them."),
+    ("fallback_hits", "kvtier_upstream_fallback_hits", "Keys found at an owner after the first."),
 )
 # (store statistics field, metric name, family, help)
 _STORE = (

@@ -5,6 +5,7 @@ answers what it lacks from a regional one, like a CDN's origin pull, and keeps i
 - :mod:`.channel`         one authenticated connection, every call bounded by a deadline
 - :mod:`.client`          UpstreamClient: pooled get / lookup / put / pin against one daemon
 - :mod:`.targets`         whom to ask: one address, or the region's etcd members by rendezvous
+- :mod:`.rank_walk`       which keys are still open as their owners are asked in rank order (pure)
 - :mod:`.negative_cache`  keys the upstream lacks, remembered briefly (pure, bounded, TTL)
 - :mod:`.store_queue`     fetched blocks stored behind into the engine (bounded; drops counted)
 - :mod:`.statistics`      counters and the fetch latency histogram, as a frozen snapshot

@@ -7,11 +7,18 @@ The request handler asks this after its engine answered::
     GET     misses ──> the store queue ──> the upstream (one GET per owner) ──> verified blocks
             served with origin 1 and offered to the store queue (write-behind, bounded)
 
+Where the upstream keeps replicas (an ``etcd://`` region), each key is asked of its owners in
+rendezvous order (:class:`~.rank_walk.RankWalk`): the next owner gets what the one before could
+not answer, lacked, or sent corrupt. One timeout covers the request; each rank may spend an
+equal share of what is left (half, then the rest, for two replicas), so a hung first owner
+leaves its replicas time to answer.
+
 Every upstream failure is a miss here, counted by kind (:class:`~.errors.FailureKind`); an
 upstream that timed out or could not be reached is not asked again for ``DOWN_BACKOFF_S``, so
 a dead or slow upstream costs at most one timeout per backoff, not one per request. Keys the
-upstream said it lacks go to the :class:`~.negative_cache.NegativeCache`. A block that fails
-verification (header CRC, payload CRC, key, namespace) is neither served nor stored.
+upstream said it lacks (each of their owners did) go to the :class:`~.negative_cache.NegativeCache`.
+A block that fails verification (header CRC, payload CRC, key, namespace) is neither served nor
+stored.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from kvtier.wire.frames import ORIGIN_LOCAL, ORIGIN_UPSTREAM
 
 from .errors import FailureKind, UpstreamError
 from .negative_cache import NegativeCache
+from .rank_walk import Answer, RankWalk, lookup_answers
 from .statistics import UpstreamRecorder, UpstreamStatistics
 from .store_queue import StoreQueue
 from .targets import UpstreamTarget
@@ -78,17 +86,16 @@ class PullThrough:
         if self.negative.absent(ns_id, keys[:1], self._clock())[0]:
             self.stats.add(negative_hits=1)
             return 0
-        absent = unanswered = len(keys)  # the first key an owner lacks / the first one it could not answer for
-        deadline = time.monotonic() + self.target.timeout_s  # one timeout for the request, whatever the owners
-        for client, idx in self.target.owners(keys).items():
+
+        def ask(client, idx: list[int], deadline: float) -> list[Answer] | None:
             present = self._ask(client, deadline, lambda t: client.lookup([keys[i] for i in idx], ns_id, timeout_s=t))
-            if present is None:  # that owner could not answer: the chain ends at its first key
-                unanswered = min(unanswered, idx[0])
-            elif present < len(idx):
-                absent = min(absent, idx[present])
-        if absent < unanswered:  # only an answer says the upstream lacks a key: a failure is no news
-            self.negative.add(ns_id, [keys[absent]], self._clock())
-        return min(absent, unanswered)
+            return None if present is None else lookup_answers(len(idx), present)
+        walk = self._walk(keys, ask)
+        if not walk.open:
+            return len(keys)
+        if walk.open[0] in walk.absent():  # only answers say the upstream lacks a key: a failure is no news
+            self.negative.add(ns_id, [keys[walk.open[0]]], self._clock())
+        return walk.open[0]
 
     # -- GET --------------------------------------------------------------------
     def fill(self, msg: p.Get, reply: p.GetReply, payload_bytes_max: int) -> p.GetReply:
@@ -133,34 +140,55 @@ class PullThrough:
     def _fetch(self, msg: p.Get, ask: list[int], blocks: list, origins: bytearray) -> None:
         keys = [bytes(msg.keys[i]) for i in ask]
         self.stats.add(blocks_asked=len(keys))
-        absent: list[bytes] = []
         fetched: list[tuple[bytes, memoryview]] = []
-        deadline = time.monotonic() + self.target.timeout_s  # one timeout for the request, whatever the owners
-        for client, idx in self.target.owners(keys).items():
-            got = self._ask(client, deadline,
-                            lambda t: client.get_many([keys[j] for j in idx], msg.ns_id, timeout_s=t))
+
+        def get(client, idx: list[int], deadline: float) -> list[Answer] | None:
+            got = self._ask(client, deadline, lambda t: client.get_many([keys[j] for j in idx], msg.ns_id, timeout_s=t))
             if got is None:
-                continue
+                return None
             if got.corrupt:
                 self.stats.failed(FailureKind.CORRUPT, got.corrupt)
                 log.warning("event=upstream_block_corrupt upstream=%s blocks=%d first_key=%s (not served, not stored)",
                             client.address, got.corrupt, got.corrupt_keys[0].hex())
+            answers = []
             for j, block in zip(idx, got.blocks):
                 i = ask[j]
+                if block is None:
+                    answers.append(Answer.UNKNOWN if keys[j] in got.corrupt_keys else Answer.LACKED)
+                    continue
                 if block is p.DEFERRED:
                     blocks[i] = p.DEFERRED
-                elif block is None:
-                    if keys[j] not in got.corrupt_keys:
-                        absent.append(keys[j])
                 else:
                     blocks[i], origins[i] = block, ORIGIN_UPSTREAM
                     fetched.append((keys[j], block))
+                answers.append(Answer.FOUND)
+            return answers
+        absent = [keys[j] for j in self._walk(keys, get).absent()]
         if absent:
             self.negative.add(msg.ns_id, absent, self._clock())
         self.stats.add(blocks_fetched=len(fetched), bytes_fetched=sum(b.nbytes for _, b in fetched),
                        blocks_missed=len(absent))
         if fetched:
             self.store.offer(fetched)
+
+    # -- owners, rank by rank -----------------------------------------------------
+    def _walk(self, keys: list[bytes], ask: Callable[[object, list[int], float], list[Answer] | None]) -> RankWalk:
+        """``keys`` asked of their owners rank by rank, ``ask(client, positions, deadline)`` per
+        owner, until every key is found or every rank was asked. One timeout for the request,
+        whatever the owners; each rank may spend an equal share of what is left of it."""
+        ranks = self.target.owners_by_rank(keys)
+        walk = RankWalk(len(keys), len(ranks))
+        deadline = time.monotonic() + self.target.timeout_s
+        for owners in ranks:
+            now = time.monotonic()
+            rank_deadline = now + max(0.0, deadline - now) / (walk.ranks - walk.rank)
+            for client, idx in walk.asks(owners).items():
+                walk.answered(idx, ask(client, idx, rank_deadline))
+            walk.end_rank()
+            if walk.done:
+                break
+        self.stats.add(fallbacks=walk.fallbacks, fallback_hits=walk.fallback_hits)
+        return walk
 
     # -- calls, failures, backoff -------------------------------------------------
     def _ask(self, client, deadline: float, call: Callable[[float], object]):

@@ -4,7 +4,9 @@ snapshot (the admin API's /v1/stats ``upstream`` section and the ``kvtier_upstre
 Prefix figures come from LOOKUPs: of the keys asked, how many leading ones this daemon held
 (``prefix_blocks_local``), how many more the upstream held (``prefix_blocks_upstream``), and
 the rest (``prefix_blocks_missed``). Block figures come from GETs of keys this daemon lacked.
-The fetch latency histogram has fixed bounds (Prometheus style: cumulative counts per bound).
+Where the upstream keeps replicas, ``fallbacks`` counts the keys asked again of their next
+owner and ``fallback_hits`` those found there. The fetch latency histogram has fixed bounds
+(Prometheus style: cumulative counts per bound).
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class UpstreamStatistics:
     blocks_pending_hits: int  # blocks served from the store queue before they reached the engine
     negative_hits: int  # keys answered as a miss from the negative cache, without asking
     skipped_down: int  # requests not sent because the upstream failed moments ago
+    fallbacks: int  # keys asked of a key's next owner: the one before failed, was skipped, lacked or corrupted it
+    fallback_hits: int  # of those, keys a later owner held (LOOKUP leading keys, GET verified blocks)
     failures: Mapping[str, int]  # FailureKind value -> count (corrupt counts blocks, the rest requests)
     negative_entries: int
     store: Mapping[str, int]  # StoreQueueStatistics as a dict
@@ -62,7 +66,7 @@ class UpstreamRecorder:
 
     _FIELDS = ("requests", "prefix_blocks_local", "prefix_blocks_upstream", "prefix_blocks_missed", "blocks_asked",
                "blocks_fetched", "bytes_fetched", "blocks_missed", "blocks_pending_hits", "negative_hits",
-               "skipped_down")
+               "skipped_down", "fallbacks", "fallback_hits")
 
     def __init__(self, target: str):
         self.target = target

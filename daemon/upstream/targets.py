@@ -3,9 +3,17 @@
 - ``HOST:PORT``: one upstream daemon; every key goes to it.
 - ``etcd://HOST:PORT/PREFIX``: the region's members, read from etcd the way ``kvtierd
   --cluster`` registers them (:mod:`kvtier.daemon.cluster`), refreshed every
-  ``MEMBERS_REFRESH_S`` by a thread of its own (requests never wait on etcd); a key goes
-  to its first owner by rendezvous over the node ids, the rule every client of that
-  region places blocks by (:mod:`kvtier.common.rendezvous`).
+  ``MEMBERS_REFRESH_S`` by a thread of its own (requests never wait on etcd); a key's
+  owners are its first ``REPLICAS_DEFAULT`` members by rendezvous score over the node ids,
+  the rule every client of that region places blocks and their replicas by
+  (:mod:`kvtier.common.rendezvous`).
+
+A target answers owners by rank: one ``{client: positions}`` per rank, the first owners
+first, then the next owner of each key, and so on::
+
+    keys          k0  k1  k2            REPLICAS_DEFAULT = 2
+    rank 0        B   A   C      <- asked first
+    rank 1        C   B   A      <- asked for what rank 0 could not answer, or lacks
 
 A target hands out one pooled :class:`~.client.UpstreamClient` per member it asks.
 """
@@ -15,7 +23,9 @@ import logging
 import threading
 from typing import Protocol, Sequence
 
-from kvtier.common.cluster_url import ClusterUrl, ClusterUrlError, MemberRecord, is_cluster_url, parse_cluster_url
+from kvtier.common.cluster_url import (REPLICAS_DEFAULT, ClusterUrl, ClusterUrlError, MemberRecord, is_cluster_url,
+                                      parse_cluster_url)
+from kvtier.common.rendezvous import Rendezvous, positions_by_owner
 from kvtier.daemon.cluster.etcd_session import EtcdSession, EtcdUnavailable
 
 from .client import UpstreamClient
@@ -30,8 +40,9 @@ class UpstreamTarget(Protocol):
     text: str
     timeout_s: float  # what one request at this daemon may spend on the upstream, all members together
 
-    def owners(self, keys: Sequence[bytes]) -> dict[UpstreamClient, list[int]]:
-        """``{client: ascending positions in keys}``: whom to ask for which keys."""
+    def owners_by_rank(self, keys: Sequence[bytes]) -> list[dict[UpstreamClient, list[int]]]:
+        """Per rank, first owners first, ``{client: ascending positions in keys}``: whom to ask
+        for which keys (every key has one owner in each rank; none at all: ``[]``)."""
 
     def close(self) -> None:
         ...
@@ -45,21 +56,23 @@ class StaticTarget:
         self.text = self.client.address
         self.timeout_s = timeout_s
 
-    def owners(self, keys: Sequence[bytes]) -> dict[UpstreamClient, list[int]]:
-        return {self.client: list(range(len(keys)))} if len(keys) else {}
+    def owners_by_rank(self, keys: Sequence[bytes]) -> list[dict[UpstreamClient, list[int]]]:
+        return [{self.client: list(range(len(keys)))}] if len(keys) else []
 
     def close(self) -> None:
         self.client.close()
 
 
 class EtcdTarget:
-    """The members of a region's etcd cluster; a key goes to its rendezvous owner."""
+    """The members of a region's etcd cluster; a key's owners are its first ``replicas``
+    members by rendezvous score."""
 
-    def __init__(self, url: ClusterUrl, token: str | None, timeout_s: float, session=None):
-        from kvtier.common.rendezvous import Rendezvous
-
+    def __init__(self, url: ClusterUrl, token: str | None, timeout_s: float, session=None,
+                 replicas: int = REPLICAS_DEFAULT):
+        if replicas < 1:
+            raise ValueError(f"replicas must be 1 or more, got {replicas}")
         self.url, self.text = url, url.text
-        self._token, self.timeout_s = token, timeout_s
+        self._token, self.timeout_s, self.replicas = token, timeout_s, replicas
         self._session = session if session is not None else EtcdSession(url, min(timeout_s, ETCD_TIMEOUT_S_MAX))
         self._rendezvous_class = Rendezvous
         self._lock = threading.Lock()
@@ -71,20 +84,25 @@ class EtcdTarget:
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvtierd-upstream-members", daemon=True)
         self._refresher.start()
 
-    def owners(self, keys: Sequence[bytes]) -> dict[UpstreamClient, list[int]]:
+    def owners_by_rank(self, keys: Sequence[bytes]) -> list[dict[UpstreamClient, list[int]]]:
         """By the member list the refresher read last (a request never waits on etcd, but on
-        the first list at most ``timeout_s``, once)."""
+        the first list at most ``timeout_s``, once); fewer members than replicas: all of them."""
         if not len(keys):
-            return {}
+            return []
         self._listed.wait(self.timeout_s)
         with self._lock:
             members, routing = self._members, self._routing
         if not members:
-            return {}
+            return []
+        place = routing.ranked(list(keys), min(self.replicas, len(members)))
+        return [self._by_client(members, place[:, rank]) for rank in range(place.shape[1])]
+
+    def _by_client(self, members: tuple[tuple[str, str], ...], owners) -> dict[UpstreamClient, list[int]]:
+        """``{client: ascending positions}`` of one rank; members that share an address share a client."""
         out: dict[UpstreamClient, list[int]] = {}
-        for j, idx in routing.groups(list(keys)).items():
-            out[self._client_of(members[j][1])] = idx
-        return out
+        for j, idx in positions_by_owner(owners).items():
+            out.setdefault(self._client_of(members[j][1]), []).extend(idx)
+        return {client: sorted(idx) for client, idx in out.items()}
 
     def _refresh_loop(self) -> None:
         while not self._stop.is_set():
