@@ -97,6 +97,8 @@ class AsyncBlockClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
+        """Close the idle connections now; one still serving a request is closed when it ends
+        (never pooled again), and a request made after this raises ClientError."""
         self._closed = True
         pool, self._pool = self._pool, []
         for ch in pool:
@@ -110,6 +112,13 @@ class AsyncBlockClient(ClientBase):
     def statistics(self) -> ClientStatistics:
         return ClientStatistics(**self._counts)
 
+    def _give_back(self, ch: _AsyncChannel) -> None:
+        """Pool a connection whose request ended with its replies read; close it if the client closed meanwhile."""
+        if self._closed:
+            ch.close()
+        else:
+            self._pool.append(ch)
+
     async def _connect(self) -> _AsyncChannel:
         try:
             ch = await _AsyncChannel.open(self._host, self._port, self._timeout_s, self._token, self._name)
@@ -119,11 +128,11 @@ class AsyncBlockClient(ClientBase):
         return ch
 
     async def _run(self, make_op):
-        if self._closed:
-            raise p.ClientError("the client is closed")
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._pool_size)
-        async with self._slots:
+        async with self._slots:  # a request that waited for a slot while the client closed opens nothing
+            if self._closed:
+                raise p.ClientError("the client is closed")
             while self._pool and not self._pool[-1].idle_and_open():
                 self._pool.pop().close()  # the daemon closed it while it idled
                 self._counts["reconnects"] += 1
@@ -138,7 +147,7 @@ class AsyncBlockClient(ClientBase):
                     self._counts["frames"] += len(messages)
                     messages = op.send(replies)
             except StopIteration as stop:
-                self._pool.append(ch)
+                self._give_back(ch)
                 return stop.value
             except (OSError, asyncio.TimeoutError, p.ConnectionLost, p.ProtocolError) as exc:
                 ch.close()
@@ -147,7 +156,7 @@ class AsyncBlockClient(ClientBase):
                 if exc.request_id == 0:
                     ch.close()
                 else:
-                    self._pool.append(ch)
+                    self._give_back(ch)
                 raise
             except BaseException:
                 ch.close()

@@ -286,12 +286,23 @@ class BlockClient(ClientBase):
         self.close()
 
     def close(self) -> None:
-        self._closed = True
-        while True:
-            try:
-                self._pool.get_nowait().close()
-            except queue.Empty:
+        """Close the idle connections now; one still serving a request is closed when it ends
+        (never pooled again), and a request made after this raises ClientError."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    self._pool.get_nowait().close()
+                except queue.Empty:
+                    return
+
+    def _give_back(self, ch: _Channel) -> None:
+        """Pool a connection whose request ended with its replies read; close it if the client closed meanwhile."""
+        with self._lock:
+            if not self._closed:
+                self._pool.put(ch)
                 return
+        ch.close()
 
     def _connect(self) -> _Channel:
         try:
@@ -317,9 +328,9 @@ class BlockClient(ClientBase):
     def _run(self, make_op, into=None):
         """Drive an op generator on a pooled (or new) connection; a connection
         that fails is dropped and reported as :class:`_Retry`."""
-        if self._closed:
-            raise p.ClientError("the client is closed")
-        with self._slots:
+        with self._slots:  # a request that waited for a slot while the client closed opens nothing
+            if self._closed:
+                raise p.ClientError("the client is closed")
             ch, fresh = self._pooled_or_new()
             wire_before = ch.wire_bytes_sent
             try:
@@ -328,12 +339,12 @@ class BlockClient(ClientBase):
                 ch.close()
                 raise _Retry(exc, fresh, ch.wire_bytes_sent != wire_before) from exc
             except p.RemoteError as exc:
-                (ch.close if exc.request_id == 0 else lambda: self._pool.put(ch))()
+                (ch.close if exc.request_id == 0 else lambda: self._give_back(ch))()
                 raise
             except BaseException:
                 ch.close()
                 raise
-            self._pool.put(ch)
+            self._give_back(ch)
             return result
 
     def _drive(self, op, ch: _Channel, into):

@@ -22,6 +22,9 @@ without us. Destination buffers are ``bytearray``
 objects registered with it and reused once no view of them is left (the probe of
 :class:`~.block_client.ReplyBuffers`); a new one is announced to the daemon by
 sending NIXL_METADATA again before the next NIXL_GET on each control connection.
+The daemon replies once every WRITE of a NIXL_GET is done: a NIXL_GET that ended otherwise
+(a timeout, a lost connection, a refusal past BAD_REQUEST) retires its buffer for good
+(:meth:`ClientAgent.retire`: a late WRITE may still land there); the next takes a fresh one.
 A block that fails verification, a failed transfer or a refused request is a
 fallback: the warm tier fetches those blocks over TCP and counts them.
 
@@ -30,17 +33,15 @@ NIXL is imported only here, when a transport is opened.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import logging
 import os
 import queue
-import select
 import socket
 import threading
 import time
 import uuid
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -52,10 +53,10 @@ from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.wire.nixl_frames import notification_prefix, parse_part_notification
 from kvtier.wire.payload_pieces import as_bytes_view
-from kvtier.wire.sockets import receive_some, sendmsg_all
 
 from .block_client import _exported
 from .nixl_arrivals import ArrivingBlocks
+from .nixl_control import ControlChannel
 from .nixl_put_plan import PutFrame, RegisteredMemory, joined_ranges, plan_put
 from .scatter_plan import Landing, LandedBlock
 
@@ -70,6 +71,7 @@ NOTES_KEPT_MAX = 4096  # requests whose notifications are kept, waiting to be ta
 PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET progresses the agent
 LEND_PIECE_BYTES_MIN = 256 << 10  # a NIXL_PUT piece outside registered memory this large is lent, not copied
 NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
+RETIRED_HOLD_S = 60.0  # a retired buffer's memory is kept: far past the daemon's TRANSFER_TIMEOUT_S (5 s)
 
 
 class NixlUnavailable(RuntimeError):
@@ -94,9 +96,6 @@ def load_nixl():
 def nixl_importable() -> bool:
     """Whether NIXL is installed here (asked without importing it)."""
     return importlib.util.find_spec("nixl_cu12") is not None
-
-
-_REQUEST_IDS = itertools.count(1)  # every control connection's request ids, process-wide (next() is atomic)
 
 
 def buffer_address(buf) -> int:
@@ -132,6 +131,8 @@ class ClientAgent:
         self._lock = threading.Lock()
         self._buffers: list[bytearray] = []
         self._registrations: list = []
+        self._retired: list[tuple[float, bytearray]] = []  # (free after this clock reading, buffer): never reused
+        self._clock = time.monotonic
         self._lent: dict[tuple[int, int], list] = {}  # the callers' regions (lend): address, length -> [descs, lenders]
         self.generation = 0  # bumped whenever the registered buffers change
         self._notes_lock = threading.Lock()
@@ -202,11 +203,13 @@ class ClientAgent:
         none free and no room for another). The buffer is the caller's while this view, or any view
         made from it, lives: that is what marks it taken."""
         with self._lock:
+            now = self._clock()
+            self._retired = [(until, b) for until, b in self._retired if until > now]
             for buf in self._buffers:
                 if len(buf) >= nbytes and not _exported(buf):
                     return memoryview(buf)
             size = max(DESTINATION_BUFFER_BYTES_MIN, -(-nbytes // (1 << 20)) << 20)
-            total = sum(len(b) for b in self._buffers)
+            total = sum(len(b) for b in self._buffers) + sum(len(b) for _, b in self._retired)
             if len(self._buffers) >= DESTINATION_BUFFERS_MAX or total + size > DESTINATION_BYTES_MAX:
                 idle = [i for i, b in enumerate(self._buffers) if not _exported(b)]
                 if not idle:
@@ -223,6 +226,16 @@ class ClientAgent:
             self._buffers.append(buf)
             self.generation += 1
             return memoryview(buf)
+
+    def retire(self, view: memoryview) -> None:
+        """Take the buffer under ``view`` (from :meth:`take_buffer`) out of use: a NIXL_GET into it ended
+        before its reply. Deregistered now; its memory (a WRITE over shared memory needs no registration)
+        is kept RETIRED_HOLD_S, within DESTINATION_BYTES_MAX, and never handed out again."""
+        with self._lock:
+            i = next(i for i, b in enumerate(self._buffers) if b is view.obj)
+            self._agent.deregister_memory(self._registrations.pop(i), backends=["UCX"])
+            self._retired.append((self._clock() + RETIRED_HOLD_S, self._buffers.pop(i)))
+            self.generation += 1
 
     def progress(self) -> None:
         """Progress the agent (transfers into our buffers) and keep the notifications that came.
@@ -269,72 +282,7 @@ class NixlStatistics:
     put_bytes: int = 0
     put_bytes_staged: int = 0  # of ``put_bytes``, copied into a registered buffer first (not in lent memory)
     puts_refused: int = 0  # NIXL_PUTs the daemon answered with an error (their blocks went to TCP)
-
-
-class ControlChannel:
-    """One data-protocol connection for NIXL_METADATA and NIXL_GET."""
-
-    def __init__(self, host: str, port: int, timeout_s: float, token: str | None, name: str,
-                 setup_timeout_s: float | None = None):
-        """Connect and HELLO within ``setup_timeout_s`` each (``timeout_s`` when None); later
-        exchanges wait ``timeout_s`` for their reply unless they name their own limit."""
-        setup_timeout_s = timeout_s if setup_timeout_s is None else setup_timeout_s
-        self.sock = socket.create_connection((host, port), timeout=setup_timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.conn = p.Connection(p.Role.CLIENT)
-        self.broken = False  # an exchange ended before its reply came
-        self.last_request_id = 0
-        self.generation = -1  # the agent generation this connection's daemon last loaded
-        try:
-            self.info = dict(self.exchange(p.Hello(0, name, token or "")).info)
-            self.sock.settimeout(timeout_s)
-        except BaseException:
-            self.sock.close()
-            raise
-
-    @property
-    def same_host(self) -> bool:
-        """A connection to an address of this host (loopback, or one of our own)."""
-        local, peer = self.sock.getsockname()[0], self.sock.getpeername()[0]
-        return local == peer or peer.startswith("127.") or peer == "::1"
-
-    def exchange(self, message, while_waiting=None, poll_s: float = 0.0, timeout_s: float | None = None):
-        """The reply to ``message``; ``while_waiting()`` is called until its first bytes arrive,
-        every ``poll_s`` (0: without pause). Request ids are unique in the process (they name
-        the NIXL notifications, which all arrive at the one agent). ``timeout_s``: this exchange's
-        limit instead of the connection's (a timeout leaves the connection unusable: close it)."""
-        if timeout_s is not None:
-            previous = self.sock.gettimeout()
-            self.sock.settimeout(timeout_s)
-            try:
-                return self.exchange(message, while_waiting, poll_s)
-            finally:
-                self.sock.settimeout(previous)
-        rid = self.last_request_id = next(_REQUEST_IDS)
-        sendmsg_all(self.sock, self.conn.send_parts(message, request_id=rid))
-        deadline = time.monotonic() + (self.sock.gettimeout() or 0)
-        while True:
-            event = self.conn.next_event()
-            if event is p.NEED_DATA:
-                while while_waiting is not None and not select.select([self.sock], [], [], poll_s)[0]:
-                    try:
-                        while_waiting()
-                    except BaseException:
-                        self.broken = True  # its reply is still to come: the connection cannot serve another
-                        raise
-                    os.sched_yield()
-                    if time.monotonic() > deadline:
-                        raise p.ConnectionLost(f"no reply within {self.sock.gettimeout()} s")
-                receive_some(self.sock, self.conn)
-                continue
-            if event is p.CONNECTION_CLOSED:
-                raise p.ConnectionLost("the daemon closed the NIXL control connection")
-            if isinstance(event, p.ErrorReply):
-                raise p.RemoteError(event.code, event.message, event.request_id)
-            return event
-
-    def close(self) -> None:
-        self.sock.close()
+    buffers_retired: int = 0  # destination buffers never reused: a NIXL_GET into them ended before its reply
 
 
 class NixlTransport:
@@ -352,8 +300,7 @@ class NixlTransport:
         self._lock = threading.Lock()
         self._closed = False
         self._daemon_agent: str | None = None
-        self._counts = dict(requests=0, blocks=0, bytes=0, refused=0, corrupt_blocks=0, notification_timeouts=0,
-                            blocks_in_place=0, puts=0, put_blocks=0, put_bytes=0, put_bytes_staged=0, puts_refused=0)
+        self._counts = {f.name: 0 for f in fields(NixlStatistics) if f.name != "transport"}
         first = self._open_channel()  # fails now, not on the first GET, where NIXL or the daemon cannot
         try:
             peer = first.sock.getpeername()[0]
@@ -421,11 +368,17 @@ class NixlTransport:
         destinations = [[buf[at:at + n]] if v is None else [buf[at:at + landing.head_nbytes], *v]
                         for at, n, v in zip(starts, lengths, views)]
         scatter = any(v is not None for v in views)
-        with self.agent.lend(landing.region) if scatter else nullcontext():
-            return self._fetch(keys, lengths, seqs, ns_id, destinations, scatter)
-
-    def _fetch(self, keys, lengths, seqs, ns_id, destinations: list[list[memoryview]], scatter: bool) -> list:
         arriving = ArrivingBlocks(destinations)
+        try:
+            with self.agent.lend(landing.region) if scatter else nullcontext():
+                return self._fetch(keys, lengths, seqs, ns_id, destinations, arriving, scatter)
+        finally:
+            if arriving.transfer_open:
+                self.agent.retire(buf)
+                self._count(buffers_retired=1)
+
+    def _fetch(self, keys, lengths, seqs, ns_id, destinations: list[list[memoryview]], arriving: ArrivingBlocks,
+               scatter: bool) -> list:
         extents = [tuple((buffer_address(v), v.nbytes) for v in views) for views in destinations]
         results: list = [None] * len(keys)
         pending = list(range(len(keys)))
@@ -472,12 +425,15 @@ class NixlTransport:
                 if item < len(items):
                     arriving.arrived(items[item], offset, length)
 
+        arriving.transfer_open = True  # until the reply: the daemon sends it once every WRITE is done
         try:
             reply = ch.exchange(m.NixlGet(0, tuple(keys), self.agent.name, tuple(descriptors), ns_id, True, extents),
                                 while_waiting=take_parts, poll_s=self._poll_s)
         except p.RemoteError as exc:
             self._count(refused=1)
+            arriving.transfer_open = exc.code != p.ErrorCode.BAD_REQUEST  # BAD_REQUEST: refused before any WRITE
             raise NixlFetchFailed(f"NIXL_GET refused by the daemon: {exc}") from None
+        arriving.transfer_open = False
         self._count(requests=1)
         written = [(items[j], n) for j, n in enumerate(reply.lengths) if n and n != DEFERRED_LENGTH]
         deadline = time.monotonic() + NOTIFICATION_TIMEOUT_S
@@ -550,28 +506,33 @@ class NixlTransport:
         if not self._slots.acquire(timeout=self._timeout_s):
             raise NixlFetchFailed(f"no NIXL control connection free within {self._timeout_s} s")
         try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            pass
-        try:
-            return self._open_channel()
+            if self._closed:
+                raise p.ClientError("the NIXL transport is closed")
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                return self._open_channel()
         except BaseException:
             self._slots.release()
             raise
 
     def _give_channel(self, ch: ControlChannel | None) -> None:
         if ch is not None:
-            if self._closed:
+            with self._lock:
+                kept = not self._closed
+                if kept:
+                    self._idle.put(ch)
+            if not kept:
                 ch.close()
-            else:
-                self._idle.put(ch)
         self._slots.release()
 
     def close(self) -> None:
-        """Close the control connections (the daemon then forgets this agent's regions)."""
-        self._closed = True
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        """Close the idle control connections (the daemon then forgets this agent's regions); one still
+        serving a request is closed when it ends, and a request made after this raises ClientError."""
+        with self._lock:
+            self._closed = True
+            idle = []
+            while not self._idle.empty():
+                idle.append(self._idle.get_nowait())
+        for ch in idle:
+            ch.close()

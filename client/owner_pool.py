@@ -235,13 +235,15 @@ class OwnerPool:
             if daemon is None:  # never opened: opening it is the probe
                 daemon = self._open(address)
                 with self._lock:
-                    if self._closed or address in self._daemons:
+                    member = self._view is not None and address in self._view.addresses  # it may have left since
+                    if self._closed or address in self._daemons or not member:
                         _close_daemon(daemon)
                         daemon = self._daemons.get(address)
                     else:
                         self._daemons[address] = daemon
-            if daemon is not None:
-                daemon.client.ping()
+                if daemon is None:
+                    return  # the member left, or the pool closed, while it was opened: nothing to probe
+            daemon.client.ping()
         except OWNER_ERRORS + (p.ClientError, ValueError) as exc:
             backoff_s = self.backoff.probe_failed(node_id)
             log.info("event=owner_probe_failed node=%s address=%s backoff_s=%.2f error=%s", node_id, address,
