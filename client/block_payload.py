@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvtier.common.keys import KVLayout
+from kvtier.common.keys import KVLayout, repeated_key
 
 
 def torch_dtype(layout: KVLayout):
@@ -46,6 +46,20 @@ def check_kv(kv: Sequence, layout: KVLayout) -> int:
             elif shape[2] != tokens:
                 raise ValueError(f"kv layer {i} {name} has {shape[2]} tokens, layer 0 has {tokens}")
     return tokens or 0
+
+
+def check_blocks(keys: list[bytes], blocks: Sequence, layout: KVLayout) -> None:
+    """ValueError unless there is one ``block_shape`` block of the layout's dtype per key, each key once."""
+    if len(keys) != len(blocks):
+        raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+    repeat = repeated_key(keys)
+    if repeat is not None:
+        raise ValueError(f"keys {repeat}: store each key once")
+    for i, block in enumerate(blocks):
+        if tuple(block.shape) != layout.block_shape:
+            raise ValueError(f"block {i} has shape {tuple(block.shape)}, expected {layout.block_shape}")
+        if str(block.dtype).rpartition(".")[2] != layout.dtype:
+            raise ValueError(f"block {i} is {block.dtype}, the namespace layout is {layout.dtype}")
 
 
 def out_tokens(out, layout: KVLayout, device) -> int:

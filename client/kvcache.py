@@ -45,7 +45,8 @@ from kvtier.wire import events as p
 from .async_twins import AsyncTwins
 from .block_decoder import BlockDecoder
 from .block_encoder import BlockEncoder, gather_block
-from .block_payload import as_tensor, as_token_list, check_kv, copy_block_into, copy_tensor, layers_of, out_tokens
+from .block_payload import (as_tensor, as_token_list, check_blocks, check_kv, copy_block_into, copy_tensor, layers_of,
+                            out_tokens)
 from .direct_reader import DirectReader
 from .hot_pool import HotPool
 from .nixl_setup import lent_for_puts
@@ -457,7 +458,7 @@ class KVCache(AsyncTwins):
     def store_blocks(self, keys: Sequence[bytes], blocks: Sequence, durable: bool = False) -> int:
         """Store each ``block_shape`` block (tensor or ndarray) under its key."""
         keys = list(keys)
-        self._check_blocks(keys, blocks)
+        check_blocks(keys, blocks, self.layout)
         if not keys:
             return 0
         self._keep_hot(keys, lambda slot, i: copy_tensor(slot, as_tensor(blocks[i])))
@@ -468,7 +469,7 @@ class KVCache(AsyncTwins):
                            copy: bool = True) -> Future:
         """Write-behind :meth:`store_blocks` (see :meth:`store_async`, and its ``copy``); no LOOKUP first."""
         keys = list(keys)
-        self._check_blocks(keys, blocks)
+        check_blocks(keys, blocks, self.layout)
         if not copy:
             return self._saves.submit(len(keys) * self.layout.block_raw_bytes, len(keys),
                                       lambda: self.store_blocks(keys, blocks, durable))
@@ -494,15 +495,6 @@ class KVCache(AsyncTwins):
             return self._saves.then(functools.partial(self._warm.delete, list(keys)))
         except RuntimeError:
             raise p.ClientError("the cache is closed") from None
-
-    def _check_blocks(self, keys: list[bytes], blocks: Sequence) -> None:
-        if len(keys) != len(blocks):
-            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        for i, block in enumerate(blocks):
-            if tuple(block.shape) != self.layout.block_shape:
-                raise ValueError(f"block {i} has shape {tuple(block.shape)}, expected {self.layout.block_shape}")
-            if str(block.dtype).rpartition(".")[2] != self.layout.dtype:
-                raise ValueError(f"block {i} is {block.dtype}, the namespace layout is {self.layout.dtype}")
 
     def _send_new(self, keys: list[bytes], built: list, durable: bool) -> int:
         """The background half of :meth:`store_async`: PUT the blocks the daemons lack."""

@@ -313,7 +313,11 @@ class WarmTier:
         for j, idx in repairs.items():
             daemon = batch.daemons[j]
             # a block landed in the caller's tensors is not a block in memory to write back (a later hit repairs it)
-            idx = [i for i in idx if not any(isinstance(part, LandedBlock) for part in results[i])]
+            once: dict[bytes, int] = {}  # a key asked twice is written back once
+            for i in idx:
+                if not any(isinstance(part, LandedBlock) for part in results[i]):
+                    once.setdefault(keys[i], i)
+            idx = list(once.values())
             if not idx:
                 continue
             items = [(key, memoryview(bytes(part))) for i in idx

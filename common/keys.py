@@ -257,3 +257,14 @@ def layer_group_key(block_key: bytes, group: int) -> bytes:
         return block_key
     return hashlib.blake2b(group.to_bytes(4, "little"), digest_size=KEY_SIZE_BYTES, person=_GROUP_PERSON,
                            key=block_key).digest()
+
+
+def repeated_key(keys) -> str | None:
+    """Which items of a batch that stores blocks name one key twice (the first such pair), or None:
+    such a batch names each key once, as two blocks under one key in one request is a broken client."""
+    seen: dict[bytes, int] = {}
+    for again, key in enumerate(keys):
+        first = seen.setdefault(key, again)
+        if first != again:
+            return f"items {first} and {again} name the same key {bytes(key).hex()}"
+    return None

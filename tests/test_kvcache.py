@@ -388,6 +388,16 @@ def test_store_blocks_refuses_a_wrong_dtype(daemon):
             cache.store_blocks(keys, [torch.zeros(LAYOUT.block_shape, dtype=torch.float32)])
 
 
+
+def test_store_blocks_refuses_a_key_named_twice_and_stores_nothing(daemon):
+    with KVCache(ns("twice"), daemon.data_addr, hot_pool_bytes=0) as cache:
+        keys = cache.keys_for(list(range(16)))
+        blocks = [torch.randn(LAYOUT.block_shape).half() for _ in range(3)]
+        for store in (cache.store_blocks, cache.store_blocks_async):
+            with pytest.raises(ValueError, match=f"items 0 and 2 name the same key {keys[0].hex()}"):
+                store([keys[0], keys[1], keys[0]], blocks)
+        assert cache.load_blocks(keys[:2]) == [None, None]
+
 GROUPED = KVLayout(num_layers=5, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8, layer_groups=3)
 
 

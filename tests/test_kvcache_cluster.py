@@ -151,6 +151,23 @@ def test_read_repair_puts_a_block_back_on_its_first_owner(cluster):
         assert cache.statistics().warm.repairs == len(lost)
 
 
+def test_read_repair_of_a_key_asked_twice_writes_it_back_once(cluster):
+    etcd_server, daemons = cluster
+    with open_cache(etcd_server, "repair-twice") as cache:
+        keys = cache.keys_for(list(range(9100, 9100 + 2 * 8)))
+        blocks = [torch.randn(LAYOUT.block_shape).half() for _ in keys]
+        assert cache.store_blocks(keys, blocks, durable=True) == 2
+        view, place = placement_of(cache, keys)
+        first_owner = view.addresses[int(place[0, 0])]
+        with BlockClient(first_owner) as client:
+            client.delete_many([keys[0]])
+        got = cache.load_blocks([keys[0], keys[1], keys[0]])
+        assert torch.equal(got[0], blocks[0]) and torch.equal(got[2], blocks[0]) and torch.equal(got[1], blocks[1])
+        cache._warm.wait_repairs(timeout_s=10.0)
+        assert cache.statistics().warm.repairs == 1
+        assert held_by(first_owner, [keys[0]]) == [True]
+
+
 def test_deleted_blocks_leave_every_owner_on_an_etcd_cluster(cluster):
     etcd_server, daemons = cluster
     with open_cache(etcd_server, "delete") as cache:

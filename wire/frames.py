@@ -125,14 +125,3 @@ def flag_names(flags: int) -> str:
     """``flags`` by name (``HAS_NS | DURABLE``), an undefined bit as its value, no bit as ``no flags``."""
     bits = [1 << bit for bit in range(FLAG_BITS) if flags >> bit & 1]
     return " | ".join(FLAG_NAMES.get(bit, f"{bit:#x}") for bit in bits) or "no flags"
-
-
-def repeated_key(keys) -> str | None:
-    """Which items of a batch that stores blocks name one key twice (the first such pair), or None:
-    such a batch names each key once, as two blocks under one key in one request is a broken client."""
-    seen: dict[bytes, int] = {}
-    for again, key in enumerate(keys):
-        first = seen.setdefault(key, again)
-        if first != again:
-            return f"items {first} and {again} name the same key {bytes(key).hex()}"
-    return None

@@ -35,7 +35,8 @@ import struct
 from kvtier.wire import events as m
 from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_SCATTER, U16,
-                                FrameHead, repeated_key)
+                                FrameHead)
+from kvtier.common.keys import repeated_key
 
 REGION = struct.Struct("<QQ")  # NIXL_METADATA item: address, length_bytes
 assert REGION.size == 16

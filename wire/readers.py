@@ -21,7 +21,8 @@ from kvtier.wire.events import ErrorCode, Limits, Op, ProtocolError
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_WANT_LOCATIONS,
                                 FLAG_WANT_ORIGIN, FRAME_HEADER, KEY_RECORD, LOCATION, LOCATION_PRESENT, LOCATION_RECORD,
                                 LOCATION_SEALED, MAGIC, PUT_ITEM, U16, U32, FrameHead)
-from kvtier.wire.frames import FLAG_PIN_TTL, flag_names, flags_taken, repeated_key
+from kvtier.common.keys import repeated_key
+from kvtier.wire.frames import FLAG_PIN_TTL, flag_names, flags_taken
 from kvtier.wire import nixl_frames
 
 

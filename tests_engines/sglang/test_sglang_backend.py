@@ -215,6 +215,30 @@ def test_backup_skips_the_pages_already_stored(kvtierd):
         backend.close()
 
 
+def test_a_backup_naming_a_page_twice_stores_it_once(kvtierd):
+    keys = page_keys(fresh_tokens(2))
+    pool = make_host_pool("page_first")
+    backend = attach_backend(make_storage_config(kvtierd.data_addr), pool)
+    try:
+        idx = pool.alloc(3 * PAGE_SIZE)
+        fill_pages(pool, idx, seed=6)
+        assert backend.batch_set_v1([keys[0], keys[1], keys[0]], idx) == [True] * 3
+        assert backend.wait_saves_stored(timeout_s=60)
+        assert backend.counters["saved_pages"] == 2
+        assert backend.batch_exists(keys) == 2
+        dst_pool = make_host_pool("page_first")
+        dst = attach_backend(make_storage_config(kvtierd.data_addr), dst_pool)
+        try:
+            dst_idx = dst_pool.alloc(2 * PAGE_SIZE)
+            assert dst.batch_get_v1(keys, dst_idx) == [True, True]
+            for s, d in zip(idx[:2 * PAGE_SIZE:PAGE_SIZE].tolist(), dst_idx[::PAGE_SIZE].tolist()):
+                assert torch.equal(page_kv(dst_pool, d), page_kv(pool, s))  # the first page under the key
+        finally:
+            dst.close()
+    finally:
+        backend.close()
+
+
 def test_batch_exists_counts_pages_whose_save_is_in_flight(kvtierd):
     """A page backed up a moment ago (its PUT still queued) reads as present, so SGLang does
     not back it up twice; past the queued pages the daemon is asked for the rest."""

@@ -279,9 +279,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
         first = self._recent.leading(kv_keys)  # SGLang backs up whole prefixes again
         if first == len(kv_keys):
             return True
-        new = kv_keys[first:]
+        at: dict[bytes, int] = {}  # a key PUT once, with its first page
+        for i in range(first, len(kv_keys)):
+            at.setdefault(kv_keys[i], i)
+        new = list(at)
         try:
-            queued = cache.store_blocks_async(new, blocks[first:])
+            queued = cache.store_blocks_async(new, [blocks[i] for i in at.values()])
         except RuntimeError as exc:  # the queue is closed: SGLang is shutting down
             logger.warning("kvtier store of %d pages not queued (%s)", len(new), exc)
             return False
