@@ -73,7 +73,7 @@ def test_plan_refills_a_lost_replica_from_the_survivor_only():
 
 
 def test_plan_bad_input():
-    with pytest.raises(ValueError, match="2 listings for 3 members"):
+    with pytest.raises(ValueError, match="2 listings and 3 deleted lists for 3 members"):
         plan_repairs(("a", "b", "c"), [b"", b""], 2)
     with pytest.raises(ValueError, match="replicas"):
         plan_repairs(("a",), [b""], 0)

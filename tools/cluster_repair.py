@@ -4,10 +4,11 @@
 
     kvtier cluster repair --cluster etcd://HOST:PORT/PREFIX [--replicas 2] [--rate 64m] [--once]
 
-A pass lists every member's keys (admin API ``GET /v1/keys``), plans which owners lack
-which keys (:mod:`.cluster_repair_plan`) and copies them: GET from a member that holds
-the block (verified as every read is), PUT (buffered) to the owner that lacks it, at most
-``rate`` bytes a second and ``batch`` blocks a request. Without ``--once`` it runs a pass at
+A pass lists every member's keys (admin API ``GET /v1/keys``) and the keys it deleted lately
+(``GET /v1/keys/deleted``), plans which owners lack which keys (:mod:`.cluster_repair_plan`)
+and copies them: GET from a member that holds the block (verified as every read is), PUT
+(buffered) to the owner that lacks it, at most ``rate`` bytes a second and ``batch`` blocks a
+request. A key one of its owners deleted is deleted where it is still held, never copied. Without ``--once`` it runs a pass at
 start, at every membership change (a join, a rejoin, a leave) and every ``interval``.
 
 It runs as its own process (next to etcd, or as a sidecar of any one node): a daemon never
@@ -64,6 +65,8 @@ class RepairFigures:
     blocks_copied: int = 0
     bytes_moved: int = 0
     blocks_failed: int = 0  # a GET miss at the source or a refused PUT: left for the next pass
+    keys_deleted: int = 0  # stored keys an owner deleted lately: not copied
+    blocks_deleted: int = 0  # copies of those deleted where they were still held
     nodes_unlisted: int = 0  # members whose keys could not be listed (no admin API, unreachable)
     bytes_moved_to: dict = field(default_factory=dict)  # node id -> bytes it received
     last_pass_s: float = 0.0
@@ -87,13 +90,14 @@ class ByteRate:
         return start - now
 
 
-def list_keys(admin_address: str, token: str | None) -> bytes:
-    """A member's stored keys, joined, through its admin API."""
+def list_keys(admin_address: str, token: str | None, path: str = "/v1/keys") -> bytes:
+    """A member's stored keys (or, ``path="/v1/keys/deleted"``, those it deleted lately), joined,
+    through its admin API."""
     client = AdminClient(admin_address, token, timeout_s=NODE_TIMEOUT_S)
     out, cursor = [], 0
     total = 0
     while True:
-        page = client.request("GET", f"/v1/keys?cursor={cursor}&limit={LIST_PAGE_KEYS}")
+        page = client.request("GET", f"{path}?cursor={cursor}&limit={LIST_PAGE_KEYS}")
         out.extend(bytes.fromhex(k) for k in page["keys"])
         total += len(page["keys"])
         if total > LISTED_KEYS_MAX:
@@ -149,21 +153,26 @@ class ClusterRepairer:
         started = time.monotonic()
         view = view if view is not None else self.view_now()
         figures = RepairFigures(passes=1)
-        listings, listed = [], []
+        listings, deleted, listed = [], [], []
         for m in view.members:
             try:
                 if m.admin is None:
                     raise RepairError(f"{m.node_id} runs no admin API")
-                listings.append(list_keys(m.admin, self.token))
+                stored = list_keys(m.admin, self.token)
+                gone = list_keys(m.admin, self.token, "/v1/keys/deleted")
+                listings.append(stored)
+                deleted.append(gone)
                 listed.append(m)
             except (AdminError, OSError, RepairError) as exc:
                 figures.nodes_unlisted += 1
                 log.warning("event=repair_list_failed node=%s error=%s", m.node_id, exc)
         # owners are computed over every member: with one unlisted, the pass copies nothing
         if listed:
-            plan = plan_repairs([m.node_id for m in listed], listings, self.replicas, self.batch_keys)
+            plan = plan_repairs([m.node_id for m in listed], listings, self.replicas, self.batch_keys, deleted)
             if len(listed) == len(view.members):
                 figures.keys_listed, figures.copies_missing = plan.keys_listed, plan.copies_missing
+                figures.keys_deleted = plan.keys_deleted
+                self._delete(plan, listed, figures)
                 self._copy(plan, listed, figures)
             else:
                 figures.keys_listed = plan.keys_listed
@@ -172,9 +181,9 @@ class ClusterRepairer:
         figures.last_pass_unix_s = time.time()
         self._add(figures)
         self._publish()
-        log.info("event=repair_pass keys=%d missing=%d copied=%d bytes=%d failed=%d seconds=%.2f",
+        log.info("event=repair_pass keys=%d missing=%d copied=%d bytes=%d deleted=%d failed=%d seconds=%.2f",
                  figures.keys_listed, figures.copies_missing, figures.blocks_copied, figures.bytes_moved,
-                 figures.blocks_failed, figures.last_pass_s)
+                 figures.blocks_deleted, figures.blocks_failed, figures.last_pass_s)
         return figures
 
     def _client(self, address: str) -> BlockClient:
@@ -209,6 +218,22 @@ class ClusterRepairer:
             figures.bytes_moved += nbytes
             figures.bytes_moved_to[target.node_id] = figures.bytes_moved_to.get(target.node_id, 0) + nbytes
 
+    def _delete(self, plan: RepairPlan, members, figures: RepairFigures) -> None:
+        from kvtier.wire import events as p
+
+        for deletion in plan.deletions:
+            if self._stop.is_set():
+                return
+            target = members[deletion.target]
+            try:
+                gone = self._client(target.address).delete_many(list(deletion.keys))
+            except (p.ConnectionLost, p.RemoteError, OSError) as exc:
+                figures.blocks_failed += len(deletion.keys)
+                log.warning("event=repair_delete_failed target=%s blocks=%d error=%s", target.node_id,
+                            len(deletion.keys), exc)
+                continue
+            figures.blocks_deleted += sum(gone)
+
     def _add(self, f: RepairFigures) -> None:
         with self._passed:
             self._add_locked(f)
@@ -217,7 +242,7 @@ class ClusterRepairer:
     def _add_locked(self, f: RepairFigures) -> None:
         t = self.total
         for name in ("passes", "keys_listed", "copies_missing", "blocks_copied", "bytes_moved", "blocks_failed",
-                     "nodes_unlisted"):
+                     "nodes_unlisted", "keys_deleted", "blocks_deleted"):
             setattr(t, name, getattr(t, name) + getattr(f, name))
         for node, n in f.bytes_moved_to.items():
             t.bytes_moved_to[node] = t.bytes_moved_to.get(node, 0) + n
@@ -286,7 +311,8 @@ def run_repair_command(args, url: str, token: str | None, emit) -> int:
             figures = repairer.run_pass()
             emit(args, asdict(figures), f"repair pass: {figures.keys_listed} keys listed, "
                                         f"{figures.copies_missing} copies missing, {figures.blocks_copied} blocks "
-                                        f"copied ({figures.bytes_moved} bytes), {figures.blocks_failed} failed, "
+                                        f"copied ({figures.bytes_moved} bytes), {figures.blocks_deleted} deleted "
+                                        f"(deleted lately by an owner), {figures.blocks_failed} failed, "
                                         f"{figures.nodes_unlisted} members not listed")
             return 0 if not figures.nodes_unlisted and not figures.blocks_failed else 1
         try:

@@ -14,6 +14,13 @@ owner unless no owner holds it (a node that leaves cleanly hands off nothing: it
 replicas are the sources). Copies that are no longer owned are left to eviction.
 Transfers come out grouped by (source, target), keys in listing order, at most
 ``batch_keys`` per transfer.
+
+A key one of its owners deleted lately (its ``GET /v1/keys/deleted``) and does not hold is
+not copied: the members that still hold it missed the delete (they were away), or were
+given it again while that owner was away, and the plan deletes it there. Either way the
+cluster ends without it -- a miss, never a deleted block brought back::
+
+    owners of k   a, b      a deleted k (b was down)   b holds k   -> delete k on b, copy nothing
 """
 from __future__ import annotations
 
@@ -36,11 +43,19 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Deletion:
+    target: int  # index into the plan's node ids
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class RepairPlan:
     node_ids: tuple[str, ...]
     keys_listed: int  # distinct keys across the members
     copies_missing: int  # (key, owner) pairs where the owner lacks the key
     transfers: tuple[Transfer, ...]
+    keys_deleted: int = 0  # distinct stored keys an owner deleted lately: deleted, not copied
+    deletions: tuple[Deletion, ...] = ()
 
     def copies_to(self, target: int) -> int:
         return sum(len(t.keys) for t in self.transfers if t.target == target)
@@ -69,21 +84,26 @@ def holdings_matrix(listings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plan_repairs(node_ids: Sequence[str], listings: Sequence[bytes], replicas: int,
-                 batch_keys: int = BATCH_KEYS_DEFAULT) -> RepairPlan:
+                 batch_keys: int = BATCH_KEYS_DEFAULT, deleted: Sequence[bytes] | None = None) -> RepairPlan:
     """The copies that put every listed key on its first ``replicas`` owners among ``node_ids``
-    (``listings[j]``: member j's keys). See the module doc."""
+    (``listings[j]``: member j's keys), and the deletes of the keys an owner deleted lately
+    (``deleted[j]``: member j's, joined as the listings). See the module doc."""
     node_ids = tuple(node_ids)
-    if len(listings) != len(node_ids):
-        raise ValueError(f"{len(listings)} listings for {len(node_ids)} members")
+    deleted = [b""] * len(node_ids) if deleted is None else list(deleted)
+    if len(listings) != len(node_ids) or len(deleted) != len(node_ids):
+        raise ValueError(f"{len(listings)} listings and {len(deleted)} deleted lists for {len(node_ids)} members")
     if replicas < 1 or batch_keys < 1:
         raise ValueError(f"replicas ({replicas}) and batch_keys ({batch_keys}) must be 1 or more")
-    keys, holds = holdings_matrix(listings)
+    keys, both = holdings_matrix([*listings, *deleted])
+    held = both[:, :len(node_ids)].any(axis=1)
+    keys, holds, logged = keys[held], both[held, :len(node_ids)], both[held, len(node_ids):]
     if not len(keys):
         return RepairPlan(node_ids, 0, 0, ())
     key_list = [bytes(k) for k in keys]
     owners = Rendezvous(node_ids).ranked(key_list, min(replicas, len(node_ids)))
     rows = np.arange(len(keys))[:, None]
-    lacking = ~holds[rows, owners]  # [U, r]
+    doomed = (logged[rows, owners] & ~holds[rows, owners]).any(axis=1)  # an owner deleted it and lacks it
+    lacking = ~holds[rows, owners] & ~doomed[:, None]  # [U, r]
     # source: the first owner that holds the key, else the lowest-index member that does
     owner_holds = ~lacking
     first_owner = owners[rows[:, 0], np.argmax(owner_holds, axis=1)]
@@ -93,7 +113,13 @@ def plan_repairs(node_ids: Sequence[str], listings: Sequence[bytes], replicas: i
         pairs.setdefault((int(source[k]), int(owners[k, c])), []).append(int(k))
     transfers = [Transfer(s, t, tuple(key_list[k] for k in idx[i:i + batch_keys]))
                  for (s, t), idx in sorted(pairs.items()) for i in range(0, len(idx), batch_keys)]
-    return RepairPlan(node_ids, len(keys), int(lacking.sum()), tuple(transfers))
+    deletions = []
+    for target in range(len(node_ids)):
+        idx = np.flatnonzero(doomed & holds[:, target]).tolist()
+        deletions += [Deletion(target, tuple(key_list[k] for k in idx[i:i + batch_keys]))
+                      for i in range(0, len(idx), batch_keys)]
+    return RepairPlan(node_ids, len(keys), int(lacking.sum()), tuple(transfers), int(doomed.sum()),
+                      tuple(deletions))
 
 
 @dataclass(frozen=True)

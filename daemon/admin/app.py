@@ -9,6 +9,7 @@ GET      /v1/blocks/{key}/data        the stored block (64-byte header + payload
 PUT      /v1/blocks/{key}/data        store a block (body: header + payload; ?durable=true)
 POST     /v1/lookup                   how many leading keys of a chain are present
 GET      /v1/keys                     the stored keys, a page at a time (?cursor=&limit=)
+GET      /v1/keys/deleted             the keys deleted lately (re-replication does not copy them back)
 POST     /v1/pin, /v1/unpin           keys, or namespace + tokens
 POST     /v1/evict                    keys, a namespace, or all
 GET      /v1/config                   effective config, secrets redacted

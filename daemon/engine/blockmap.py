@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .block_events import NO_LISTENER, BlockListener
+from .deleted_keys import DeletedKeys
 from .index import PINNED_BIT, SEQ_DELTA_MAX, BlockIndex
 from .regions import RegionTable
 
@@ -18,6 +19,7 @@ class BlockMap:
         self.table = table
         self._region_size = region_size_bytes
         self.events: BlockListener = NO_LISTENER  # told of every index change (block_events)
+        self.deleted = DeletedKeys()  # deleted lately; a key stored again leaves it
 
     def seq_of(self, slot: int) -> int:
         region = int(self.index.addr[slot]) // self._region_size
@@ -71,4 +73,5 @@ class BlockMap:
         self.index.insert_many(k0s, k1s, np.array(addr, np.uint64), np.array(length, np.uint32),
                                np.array(delta, np.uint32))
         self.events.blocks_stored(k0s, k1s)
+        self.deleted.forget(k0s, k1s)
         pending.clear()

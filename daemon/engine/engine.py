@@ -10,27 +10,25 @@ striped array of devices (after CacheLib Navy's block cache).
     full? ──> seal, take a clean region from the pool that the reclaim worker keeps filled
               (it moves pinned blocks, and hot ones the reinsertion policy picks, out of its victims)
 
-The parts, one module each: :mod:`.allocator` (the open region, its spare image, seal),
-:mod:`.region_manager` (the clean-region pool and its reclaim worker), :mod:`.durability`
-(group commit: what is synced, in which order), :mod:`.get_driver` (every GET), :mod:`.pins_and_deletes`,
-:mod:`.rebuild` (the index rebuilt at open), :mod:`.blockmap` (index and region table).
+The parts, one module each: :mod:`.allocator` (the open region, its spare image, seal), :mod:`.region_manager`
+(the clean-region pool and its reclaim worker), :mod:`.durability` (group commit: what is synced, in which
+order), :mod:`.get_driver` (every GET), :mod:`.pins_and_deletes`, :mod:`.rebuild` (the index rebuilt at open),
+:mod:`.blockmap` (index and region table), :mod:`.deleted_keys` (what re-replication must not copy back).
 
-Batch calls resolve their keys in one vectorized pass over the index (NumPy);
-``lookup_buffer`` / ``locate_buffer`` take the keys as one N x 16-byte buffer.
+Batch calls resolve their keys in one vectorized pass over the index (NumPy); ``lookup_buffer`` /
+``locate_buffer`` take the keys as one N x 16-byte buffer.
 
-One lock guards the index, the region table and the open image; no device write or sync
-runs under it on the put, flush and reclaim paths: seal and region-header writes go to
-the sealer thread, durability writes to a group commit, reclaim I/O to its worker. Flash
-reads of sealed regions run outside it (a read racing a reclaim fails its key/seq check and
-is retried once, then counted as a miss).
+One lock guards the index, the region table and the open image; no device write or sync runs under it on
+the put, flush and reclaim paths: seal and region-header writes go to the sealer thread, durability writes
+to a group commit, reclaim I/O to its worker. Flash reads of sealed regions run outside it (a read racing a
+reclaim fails its key/seq check and is retried once, then counted as a miss).
 
-Durability: ``put(durable=True)`` returns after the block's bytes are on flash
-and synced (one fdatasync acknowledges every durable put waiting on it). Deletes, pins and
-unpins are durable when they return (their summary records are written and synced); soft
-pins (``pin_many(keys, ttl_s)``) live in memory only. A mutating call that raises changed
-nothing (:mod:`.take_back`); an unexpected exception makes the caller :meth:`Engine.fail`
-it closed. A buffered put is durable at the next seal or ``flush`` (which writes the open
-region's filled part in place) or ``close``.
+Durability: ``put(durable=True)`` returns after the block's bytes are on flash and synced (one fdatasync
+acknowledges every durable put waiting on it). Deletes, pins and unpins are durable when they return (their
+summary records are written and synced); soft pins (``pin_many(keys, ttl_s)``) live in memory only. A
+mutating call that raises changed nothing (:mod:`.take_back`); an unexpected exception makes the caller
+:meth:`Engine.fail` it closed. A buffered put is durable at the next seal or ``flush`` (which writes the
+open region's filled part in place) or ``close``.
 """
 from __future__ import annotations
 
@@ -451,6 +449,7 @@ class Engine:
             self._index.clear()
             self._table.reset_all()
             self._pins_and_deletes.soft.clear()
+            self._blocks.deleted.clear()  # a local reset: the cluster refills this node
             self._allocator.active = False
             self._blocks.events.all_cleared()
         return count
@@ -484,6 +483,11 @@ class Engine:
             pairs = np.column_stack((self._index.k0[slots], self._index.k1[slots])).astype("<u8")
             more = len(slots) == limit and int(slots[-1]) < int(live[-1])
         return pairs.tobytes(), int(slots[-1]) + 1 if more else 0
+
+    def deleted_keys_page(self, cursor: int, limit: int) -> tuple[bytes, int]:
+        """As :meth:`keys_page`, of the keys deleted lately (:mod:`.deleted_keys`), oldest first."""
+        with self._lock:
+            return self._blocks.deleted.page(cursor, limit)
 
     # -- info / maintenance --------------------------------------------------
     def block_info(self, key) -> dict | None:

@@ -120,11 +120,15 @@ class PinsAndDeletes:
                 appended = self._append_records([(fmt.KIND_TOMBSTONE, k0_, k1_, fmt.NO_NAMESPACE, seq)
                                                  for k0_, k1_, seq in doomed], undo)
         if appended is None:
-            return self._after_unsettled(settle, slots)
-        self._commit_records(appended, undo)
+            present = self._after_unsettled(settle, slots)
+        else:
+            self._commit_records(appended, undo)
+            present = (slots >= 0).tolist()
         with self._lock:
-            self.soft.discard((k0_, k1_) for k0_, k1_, _ in doomed)
-        return (slots >= 0).tolist()
+            if appended is not None:
+                self.soft.discard((k0_, k1_) for k0_, k1_, _ in doomed)
+            self._blocks.deleted.record(k0, k1)  # absent keys too: a replica may hold them
+        return present
 
     def delete_namespace(self, ns_id: bytes) -> int:
         ns_id = bytes(ns_id)
@@ -151,6 +155,7 @@ class PinsAndDeletes:
         self._commit_records(appended, undo)
         with self._lock:
             self.soft.discard(keys)
+            self._blocks.deleted.record([k[0] for k in keys], [k[1] for k in keys])
         return int(len(slots))
 
     def _namespace_slots(self, ns_id: bytes) -> np.ndarray:
