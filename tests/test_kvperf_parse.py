@@ -111,6 +111,21 @@ def test_name_in_global_or_empty_is_refused(text, message):
         build_jobs(list(parse_job_text(text, "x.fio")))
 
 
+@pytest.mark.parametrize("rw,option", [("ttft", "numjobs=4"), ("ttft", "bs=4k"), ("prefix", "batch=8"),
+                                       ("lookup", "rwmixread=30")])
+def test_an_option_its_workload_does_not_use_is_refused_in_its_section_and_noted_when_inherited(rw, option,
+                                                                                                  tmp_path, capsys):
+    name = option.partition("=")[0]
+    with pytest.raises(UsageError, match=f"job 'a' .*: {name} has no effect on rw={rw} "):
+        build_jobs(list(parse_job_text(f"[a]\n{T}\nrw={rw}\n{option}\n", "x.fio")))
+    inherited = build_jobs(list(parse_job_text(f"[global]\n{T}\n{option}\n[a]\nrw={rw}\n[b]\nrw=read\n", "x.fio")))
+    assert [job.unused for job in inherited] == [(name,), ()]
+    path = tmp_path / "j.fio"
+    path.write_text(f"[a]\n{T}\nrw={rw}\n")
+    assert run([str(path), f"--{option}", "--parse-only"]) == 0
+    assert capsys.readouterr().err == f"kvperf: job 'a': {name} (inherited) has no effect on rw={rw}\n"
+
+
 def test_command_line_globals_override_job_file(tmp_path):
     path = tmp_path / "j.fio"
     path.write_text(f"[a]\n{T}\nbs=4k\n")

@@ -142,6 +142,9 @@ def run(argv: list[str], stdout=None, stderr=None) -> int:
         gates = _collect_gates(jobset, jobs)
         for job in jobs:
             preflight(job)
+            if job.unused:
+                print(f"kvperf: job {job.name!r}: {', '.join(job.unused)} (inherited) ha"
+                      f"{'s' if len(job.unused) == 1 else 've'} no effect on rw={job.rw}", file=stderr)
         if args.parse_only:
             for line in header_lines(jobs):
                 print(line, file=stdout)

@@ -45,6 +45,7 @@ class RawJob:
     name: str
     options: tuple[tuple[str, str], ...]
     source: str  # "file:LINE" or "command line", for messages
+    own: frozenset[str] = frozenset()  # options set in the job's own section (or after its --name)
 
     def values(self) -> dict[str, str]:
         """Last value wins for ordinary options."""
@@ -61,7 +62,7 @@ class _Builder:
     jobs: list[tuple[str, list[tuple[str, str]], list[tuple[str, str]], str]] = field(default_factory=list)
 
     def finish(self) -> list[RawJob]:
-        return [RawJob(name, tuple(glob) + tuple(own), src) for name, glob, own, src in self.jobs]
+        return [RawJob(name, tuple(glob) + tuple(own), src, _names(own)) for name, glob, own, src in self.jobs]
 
 
 def _strip_comment(line: str) -> str:
@@ -167,9 +168,13 @@ def parse_sources(job_files: list[str], cli_options: list[tuple[str, str]]) -> J
             b.global_gates.append(value)  # --gate before any --name judges every job
         else:
             cli_global.append((key, value))
-    jobs = [RawJob(n, tuple(g) + tuple(own) + tuple(cli_global), src) for n, g, own, src in b.jobs]
+    jobs = [RawJob(n, tuple(g) + tuple(own) + tuple(cli_global), src, _names(own)) for n, g, own, src in b.jobs]
     base = list(b.global_options) + cli_global
-    jobs += [RawJob(n, tuple(base) + tuple(own), "command line") for n, own in cli_jobs]
+    jobs += [RawJob(n, tuple(base) + tuple(own), "command line", _names(own)) for n, own in cli_jobs]
     if not jobs:
         raise UsageError("no jobs: give a job file or --name=NAME with options (see kvperf --help)")
     return JobSet(tuple(jobs), tuple(b.global_gates), tuple(base))
+
+
+def _names(options) -> frozenset[str]:
+    return frozenset(key for key, _ in options)

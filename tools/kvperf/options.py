@@ -202,6 +202,7 @@ class JobOptions:
     stonewall: bool = False
     group_reporting: bool = False
     gates: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()  # inherited options this workload does not use (a note on stderr)
 
     @property
     def blocks(self) -> int:
@@ -231,6 +232,30 @@ class JobOptions:
         return out
 
 
+# options a workload does not use: set in its own section, an error; inherited ([global], or the
+# command line before any --name), a note on stderr (JobOptions.unused)
+UNUSED_BY_RW: dict[str, tuple[str, ...]] = {
+    "ttft": ("numjobs", "iodepth", "ioengine", "runtime", "time_based", "ramp_time", "bs", "size", "batch",
+             "rwmixread"),
+    "prefix": ("size", "batch", "rwmixread"),
+    "lookup": ("batch", "rwmixread"),
+}
+UNUSED_REASON = {"ttft": "it runs ttft_prompts prompts at each concurrency= level, in blocks of the model's KV",
+                 "prefix": "it sends prefix_requests prompts of prompt_tokens, split at the protocol's request limit",
+                 "lookup": "it asks lookup_keys keys a request"}
+
+
+def _unused(job_rw: str, raw: RawJob) -> tuple[str, ...]:
+    """The options of ``raw`` its workload does not use, inherited ones; UsageError for its own."""
+    unused = [key for key in UNUSED_BY_RW.get(job_rw, ()) if key in raw.values()]
+    own = [key for key in unused if key in raw.own]
+    if own:
+        one = len(own) == 1
+        raise UsageError(f"job {raw.name!r} ({raw.source}): {', '.join(own)} ha{'s' if one else 've'} no effect on "
+                         f"rw={job_rw} ({UNUSED_REASON[job_rw]}); remove {'it' if one else 'them'}")
+    return tuple(unused)
+
+
 def _unknown(name: str, raw: RawJob) -> UsageError:
     close = difflib.get_close_matches(name, list(OPTIONS) + ["gate"], n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
@@ -249,6 +274,7 @@ def build_job(raw: RawJob) -> JobOptions:
         except UsageError as e:
             raise UsageError(f"job {raw.name!r} ({raw.source}): {e}") from None
     values["gates"] = tuple(raw.repeated("gate"))
+    values["unused"] = _unused(str(values.get("rw", "read")), raw)
     job = JobOptions(**values)  # type: ignore[arg-type]
     _check(job, raw)
     return job
