@@ -27,6 +27,7 @@ NODE_ID_BYTES_MAX = 64  # a host name and a suffix
 RECORD_BYTES_MAX = 4096  # a member record is a few addresses; more is not ours
 RECORD_VERSION = 1
 REPLICAS_DEFAULT = 2  # copies of each block in a cluster (clients, repair and edges agree): one node may die
+PREPLACE_CLIENT_NAME = "kvtierd-preplace"  # HELLO client name of a region pushing prefixes: edges never pull for it
 REPAIR_CLIENT_NAME = "kvtier-repair"  # HELLO client name of kvtier cluster repair: nodes count what it moves
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")

@@ -6,10 +6,12 @@ one test lets the worker run by itself). The edges need a token; the region has 
 ``--preplace-token-file``."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from daemon_proc import start_kvtierd
@@ -17,6 +19,8 @@ from kvtier.client.block_client import BlockClient
 from kvtier.common.blockformat import encode_block, payload_of
 from kvtier.common.codec_ids import codec_id
 from kvtier.common.keys import KVLayout, Namespace
+from kvtier.daemon.preplace.pusher import PrePlacer
+from kvtier.daemon.preplace.settings import PreplaceSettings
 from kvtier.tools.admin_client import AdminClient, AdminError
 
 EDGE_TOKEN = "edge-secret"
@@ -320,3 +324,65 @@ def test_cli_push_and_status(edges, region_factory):
     assert doc["statistics"]["edges"][edges[0].data_addr]["soft_pinned_bytes"] == 2 * BLOCK_BYTES
     cli = subprocess.run(base + ["preplace", "--push", "--edge", "x"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "--status and --push take no prefix" in cli.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_edge_answers_the_pushers_lookup_itself_never_asking_its_upstream_region(tmp_path, region_factory):
+    """The edge pulls through from the region: what it lacks of a pushed prefix, asked of the
+    region, would count there as a request nobody made (its tail as a chain of its own)."""
+    token_file = tmp_path / "edge-token"
+    token_file.write_text(EDGE_TOKEN)
+    port = free_port()
+    edge = start_kvtierd(tmp_path / "pulling-edge", "--token-file", str(token_file),
+                         "--upstream", f"127.0.0.1:{port}", admin="127.0.0.1:0")
+    try:
+        region = region_factory([edge], "--listen", f"127.0.0.1:{port}")
+        _, keys = chain(130_000, 5)
+        blocks = store(region, keys)
+        with BlockClient(edge.data_addr, EDGE_TOKEN) as c:  # the edge holds the first two already
+            c.put_many([(key, blocks[key]) for key in keys[:2]], ns_id=NS.id)
+        ask(region, keys, 1)
+        assert [(e["ok"], e["blocks_put"], e["blocks_pinned"]) for e in push(region)["edges"]] == [(True, 3, 5)]
+        assert held(edge, blocks) and soft_pinned(edge, keys) == [True] * 5
+        assert AdminClient(region.admin_addr).stats()["preplace"]["observations"] == 1
+        assert AdminClient(edge.admin_addr, EDGE_TOKEN).stats()["upstream"]["requests"] == 0
+        push(region)
+        stats = AdminClient(region.admin_addr).stats()["preplace"]
+        assert (stats["observations"], stats["heads_tracked"]) == (1, 1)
+    finally:
+        assert edge.stop() == 0, edge.log_tail()
+
+
+class LosingEngine:
+    """The region's engine as the pusher uses it: its index still lists ``lost``, a read finds it gone."""
+
+    def __init__(self, blocks: dict[bytes, bytes], lost: bytes):
+        self._blocks, self._lost = blocks, lost
+
+    def locate_buffer(self, keys_buf) -> np.ndarray:
+        keys = [bytes(keys_buf[i:i + 16]) for i in range(0, len(keys_buf), 16)]
+        rows = np.zeros(len(keys), [("found", bool), ("length", np.int64)])
+        rows["found"] = [k in self._blocks for k in keys]
+        rows["length"] = [len(self._blocks.get(k, b"")) for k in keys]
+        return rows
+
+    def get_many(self, keys):
+        return [None if k == self._lost else self._blocks.get(bytes(k)) for k in keys]
+
+
+def test_a_block_gone_from_the_region_mid_push_ends_the_prefix_there(edges):
+    _, keys = chain(140_000, 5)
+    blocks = {k: encode_block(k, NS.id, codec_id("raw"), os.urandom(PAYLOAD_BYTES)) for k in keys}
+    placer = PrePlacer(LosingEngine(blocks, lost=keys[2]), PreplaceSettings(edges[0].data_addr, token=EDGE_TOKEN))
+    held_here, (outcome,) = placer.place(keys, NS.id, [edges[0].data_addr])
+    assert held_here == 5  # the index had all five when the plan was made
+    assert (outcome.ok, outcome.blocks_put, outcome.blocks_pinned) == (True, 2, 2)  # behind the gap: no prefix
+    assert soft_pinned(edges[0], keys) == [True, True, False, False, False]
+    with BlockClient(edges[0].data_addr, EDGE_TOKEN) as c:
+        assert [b is not None for b in c.get_many(keys, NS.id)] == [True, True, False, False, False]
+    assert placer.statistics().edges[edges[0].data_addr].soft_pinned_blocks == 2

@@ -105,6 +105,51 @@ def test_bounded_keys_and_prefix_length():
     assert pop.statistics().keys_tracked == 3
 
 
+def test_a_chain_remainder_counts_for_its_head_not_as_a_head_of_its_own():
+    pop = PrefixPopularity()
+    for _ in range(3):  # a client LOOKUPs the whole chain, then GETs the blocks it lacks: the tail
+        pop.observe_many([(NS_A, k(9, 8, 7, 6), 0.0), (NS_A, k(7, 6), 0.0)])
+    assert [(h.keys, h.count) for h in pop.top(0.0)] == [(k(9, 8, 7, 6), pytest.approx(6.0))]
+    s = pop.statistics()
+    assert (s.heads_tracked, s.keys_tracked, s.observations) == (1, 4, 6)
+    candidates = [Candidate(h.ns_id, h.key_list(), [10] * h.length) for h in pop.top(0.0)]
+    assert [p.keys for p in plan_within_budget(candidates, 20)] == [tuple(keys(9, 8))]  # the leading blocks
+
+
+def test_a_remainder_seen_before_its_chain_is_folded_into_it():
+    pop = PrefixPopularity()
+    pop.observe_many([(NS_A, k(7, 6), 0.0)] * 2)  # an edge that holds 9, 8 asks the region for the rest
+    pop.observe_many([(NS_B, k(9, 8, 7, 6), 0.0)])  # another namespace: not the same chain
+    assert [h.keys for h in pop.top(0.0)] == [k(7, 6), k(9, 8, 7, 6)]
+    pop.observe_many([(NS_A, k(9, 8, 7, 6), 0.0)])
+    assert [(h.ns_id, h.keys, h.count) for h in pop.top(0.0)] == [(NS_A, k(9, 8, 7, 6), pytest.approx(3.0)),
+                                                                  (NS_B, k(9, 8, 7, 6), pytest.approx(1.0))]
+    assert pop.statistics().heads_tracked == 2 and pop.statistics().keys_tracked == 8
+
+
+def test_a_remainder_extends_its_head_or_leaves_its_common_branch():
+    pop = PrefixPopularity(prefix_keys_max=5)
+    pop.observe_many([(NS_A, k(1, 2, 3), 0.0), (NS_A, k(3, 4, 5, 6), 0.0)])  # runs past the kept keys: to the cap
+    assert [(h.keys, h.count) for h in pop.top(0.0)] == [(k(1, 2, 3, 4, 5), pytest.approx(2.0))]
+    pop.observe_many([(NS_A, k(2, 9), 0.0)])  # leaves at depth 2: reach 3 3 2 1 1, the kept 3 stays
+    assert [(h.keys, h.count) for h in pop.top(0.0)] == [(k(1, 2, 3), pytest.approx(3.0))]
+    pop.observe_many([(NS_A, k(2, 3, 4), 0.0), (NS_A, k(3, 4, 5), 0.0), (NS_A, k(4, 5), 0.0)])  # 6 6 5 4 3
+    assert [(h.keys, h.count) for h in pop.top(0.0)] == [(k(1, 2, 3, 4, 5), pytest.approx(6.0))]
+    assert pop.statistics().heads_tracked == 1 and pop.statistics().keys_tracked == 5
+
+
+def test_a_remainder_of_a_remainder_folds_through_it():
+    pop = PrefixPopularity()
+    pop.observe_many([(NS_A, k(1, 2, 3), 0.0), (NS_A, k(3, 4, 5), 0.0), (NS_A, k(5, 6), 0.0)])
+    assert [(h.keys, h.count) for h in pop.top(0.0)] == [(k(1, 2, 3, 4, 5), pytest.approx(3.0))]  # reach 3 3 3 2 2 1
+    pop.observe_many([(NS_A, k(5, 6), 0.0), (NS_A, k(4, 5), 0.0)])  # in a later batch: reach 5 5 5 4 4 2
+    assert [(h.keys, h.count) for h in pop.top(0.0)] == [(k(1, 2, 3, 4, 5), pytest.approx(5.0))]
+    assert pop.statistics().heads_tracked == 1 and pop.statistics().keys_tracked == 6
+    loop = PrefixPopularity()  # keys that are no chain (each head inside the other) still fold once
+    loop.observe_many([(NS_A, k(1, 2), 0.0), (NS_A, k(2, 1), 0.0)])
+    assert [(h.keys, h.count) for h in loop.top(0.0)] == [(k(1, 2, 1), pytest.approx(2.0))]
+
+
 def test_bad_keys_are_refused():
     pop = PrefixPopularity()
     with pytest.raises(ValueError, match="whole number of 16-byte keys"):

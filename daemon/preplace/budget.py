@@ -3,10 +3,10 @@
 The candidates come ranked (most popular first) with the size of each of their blocks
 as the region's index has it (0: the region does not hold that block). A prefix is
 worth only its leading blocks the region holds, so each candidate is cut at its first
-absent block. Blocks already planned (an earlier candidate's, or a continuation frame
-of the same chain counted as a head of its own) cost nothing again. Candidates are
-taken in rank order while they fit; the first one that does not fit whole contributes
-the leading blocks that do, and planning stops there::
+absent block. Blocks already planned (an earlier candidate's) cost nothing again; the
+ranked prefixes of :mod:`.popularity` share none, since a chain that continues another
+is folded into it there. Candidates are taken in rank order while they fit; the first one
+that does not fit whole contributes the leading blocks that do, and planning stops there::
 
     budget 10 blocks      A (6 blocks)  B (3 of them A's)  C (6)     D (1)
     planned               A: 6          B: 3 new, 0 cost   C: 4 fit  (stop: D is not taken)

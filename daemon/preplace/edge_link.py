@@ -5,6 +5,11 @@ the edges' token, every exchange bounded by a deadline, an error reply raised wi
 code). Frames follow the edge's HELLO limits: LOOKUPs and PINs of at most its batch count,
 PUTs of at most PUT_FRAME_BYTES_MAX. An edge whose HELLO does not offer soft pins
 (``pin_ttl``) is refused before anything is sent: a hard pin would never run out.
+
+An edge that pulls through (``--upstream``, often this very region) answers this link's
+LOOKUPs from its own blocks and never asks its upstream for what it lacks (it knows the link
+by its HELLO name): asked there, the tail of a prefix being pushed would count as a request
+that no client made.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.common.addresses import parse_address
+from kvtier.common.cluster_url import PREPLACE_CLIENT_NAME
 from kvtier.daemon.upstream.channel import Channel
 from kvtier.daemon.upstream.errors import UpstreamError
 from kvtier.wire import connection as p
@@ -21,7 +27,7 @@ from kvtier.wire.events import PIN_TTL_MS_MAX
 
 from .edges import Edge
 
-CLIENT_NAME = "kvtierd-preplace"
+CLIENT_NAME = PREPLACE_CLIENT_NAME
 CONNECT_TIMEOUT_S = 3.0  # connect and HELLO: an edge that is down is skipped this soon
 EXCHANGE_TIMEOUT_S = 60.0  # one pipelined batch of frames (up to 8 x 16 MiB over a WAN link)
 PUT_FRAME_BYTES_MAX = 16 << 20  # the edge receives a PUT payload up to this into a pooled arena

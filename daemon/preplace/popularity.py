@@ -18,6 +18,18 @@ A request that runs past the kept keys (and agrees with all of them) extends the
 request that leaves them at depth ``d`` counts through ``d``; when the kept branch past
 ``d`` is not common either, the request's own branch replaces it.
 
+Keys are chained (each names every block before it), so a chain whose first key is a kept
+key at depth ``d > 0`` of another entry in its namespace is a *remainder* of that entry:
+the tail a client GETs after its leading blocks, an edge's pull-through of what it lacks,
+one frame of a split GET. Its blocks are worth something only behind the entry's first
+``d`` keys, so it is never a prefix of its own: once per batch each such entry is folded
+into the entry it continues, its requests counted as requests of that entry's first ``d``
+keys followed by its own::
+
+    kept      k0    k1    k2    k3          remainder  k2    k3    k4
+    reach     4.0   4.0   3.0   3.0         reach      2.0   2.0   1.0
+    folded    6.0   6.0   5.0   5.0   1.0   (k4 extends the kept keys)
+
 Decay is exponential with half-life ``half_life_s``, done lazily: a request observed at
 ``t`` adds ``2 ** ((t - t_ref) / half_life_s)`` and a count is read back multiplied by
 ``2 ** (-(now - t_ref) / half_life_s)``, so nothing is rescaled per request; the base
@@ -26,8 +38,8 @@ Decay is exponential with half-life ``half_life_s``, done lazily: a request obse
 Memory is bounded by HEADS_TRACKED_MAX entries and KEYS_TRACKED_MAX kept keys in all;
 past either, the least popular entries are dropped (ties: the smaller ``(ns_id, head)``
 first), so a flood of one-off chains cannot push out the prefixes that matter for long.
-:meth:`PrefixPopularity.observe_many` checks the bounds once, after its batch (one queue
-of :mod:`.observations` at most).
+:meth:`PrefixPopularity.observe_many` folds remainders and checks the bounds once, after
+its batch (one queue of :mod:`.observations` at most).
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KEY_BYTES = 16  # kvtier.common.keys.KEY_SIZE_BYTES
+KEY_DTYPE = np.dtype(f"S{KEY_BYTES}")  # one key as a numpy scalar: sorted and compared as its bytes
 HALF_LIFE_S_DEFAULT = 300.0  # a prefix nobody asked for in 5 minutes counts half as much
 HEADS_TRACKED_MAX = 4096  # chain heads counted at once: far more hot prefixes than an edge holds
 KEYS_TRACKED_MAX = 1 << 20  # kept chain keys over all heads (16 MiB of keys, 8 MiB of counts)
@@ -66,6 +79,9 @@ class PopularityStatistics:
     keys_tracked: int
     observations: int
     heads_evicted: int
+
+
+Ident = tuple[bytes, bytes]  # (ns_id, head key)
 
 
 class _Entry:
@@ -105,16 +121,18 @@ class PrefixPopularity:
                              f"{heads_max}, {keys_max}, {prefix_keys_max}")
         self._half_life_s = half_life_s
         self._heads_max, self._keys_max, self._prefix_keys_max = heads_max, keys_max, prefix_keys_max
-        self._entries: dict[tuple[bytes, bytes], _Entry] = {}
+        self._entries: dict[Ident, _Entry] = {}
         self._t_ref: float | None = None
         self._keys_held = 0
         self._observations = 0
         self._evicted = 0
+        self._unfolded = False  # heads or kept keys changed since remainders were last folded
 
     # -- counting ---------------------------------------------------------------------
     def observe(self, ns_id: bytes | None, keys: bytes, now_s: float) -> None:
         """Count one request for the chain ``keys`` (packed, count x 16 bytes) in ``ns_id``."""
         self._observe(ns_id, keys, now_s)
+        self._fold_remainders()
         self._enforce_bounds(now_s)
 
     def observe_many(self, observations) -> None:
@@ -124,6 +142,7 @@ class PrefixPopularity:
             self._observe(ns_id, keys, now_s)
             last = now_s
         if last is not None:
+            self._fold_remainders()
             self._enforce_bounds(last)
 
     def _observe(self, ns_id: bytes | None, keys: bytes, now_s: float) -> None:
@@ -139,6 +158,7 @@ class PrefixPopularity:
         if entry is None:
             self._entries[ident] = _Entry(keys, weight)
             self._keys_held += len(keys) // KEY_BYTES
+            self._unfolded = True
             return
         agree = agreeing_keys(entry.keys, keys)
         entry.reach[:agree] += weight
@@ -152,6 +172,67 @@ class PrefixPopularity:
         before = len(entry)
         entry.keys = entry.keys[:depth * KEY_BYTES] + keys[depth * KEY_BYTES:]
         entry.reach = np.concatenate([entry.reach[:depth], np.full(len(keys) // KEY_BYTES - depth, weight)])
+        self._keys_held += len(entry) - before
+        self._unfolded = True
+
+    # -- remainders ---------------------------------------------------------------------
+    def _fold_remainders(self) -> None:
+        """Fold every entry whose head is another entry's kept key (depth > 0) into that entry.
+        A container folded away earlier in the pass is followed to where its keys went."""
+        if not self._unfolded:
+            return
+        self._unfolded = False
+        moved: dict[Ident, tuple[Ident, int]] = {}  # folded entry -> (its container, its depth there)
+        for ident, container, depth in self._remainders():
+            while container in moved:
+                container, offset = moved[container]
+                depth += offset
+            target = self._entries.get(container)
+            if container == ident or target is None or depth >= len(target) \
+                    or target.keys[depth * KEY_BYTES:(depth + 1) * KEY_BYTES] != ident[1]:
+                continue  # no longer inside it (its branch was replaced this pass)
+            self._fold(target, depth, self._entries.pop(ident))
+            moved[ident] = (container, depth)
+
+    def _remainders(self) -> list[tuple[Ident, Ident, int]]:
+        """(entry, the entry whose kept keys hold its head, that depth) for each entry whose
+        head is a kept key at depth > 0 of another entry of its namespace: the first such
+        place, entries in insertion order. One vectorized pass over the kept keys."""
+        by_ns: dict[bytes, list[Ident]] = {}
+        for ident in self._entries:
+            by_ns.setdefault(ident[0], []).append(ident)
+        found = []
+        for idents in by_ns.values():
+            if len(idents) < 2:
+                continue
+            entries = [self._entries[i] for i in idents]
+            heads = np.frombuffer(b"".join(head for _, head in idents), dtype=KEY_DTYPE)
+            order = np.argsort(heads, kind="stable")
+            sorted_heads = heads[order]
+            kept = np.frombuffer(b"".join(e.keys for e in entries), dtype=KEY_DTYPE)
+            lengths = np.array([len(e) for e in entries])
+            owner = np.repeat(np.arange(len(entries)), lengths)
+            depth = np.arange(len(kept)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            at = np.minimum(np.searchsorted(sorted_heads, kept), len(sorted_heads) - 1)
+            head_of = order[at]
+            inner = np.flatnonzero((sorted_heads[at] == kept) & (depth > 0) & (head_of != owner))
+            _, first = np.unique(head_of[inner], return_index=True)
+            for j in inner[np.sort(first)]:
+                found.append((idents[head_of[j]], idents[owner[j]], int(depth[j])))
+        return found
+
+    def _fold(self, entry: _Entry, depth: int, rem: _Entry) -> None:
+        """Count ``rem``'s requests as requests of ``entry``'s first ``depth`` keys followed by
+        ``rem``'s keys; its branch replaces the kept one past ``depth`` where it was reached more."""
+        before = len(entry) + len(rem)
+        entry.reach[:depth] += rem.reach[0]
+        agree = agreeing_keys(entry.keys[depth * KEY_BYTES:], rem.keys)
+        entry.reach[depth:depth + agree] += rem.reach[:agree]
+        room = self._prefix_keys_max - depth
+        at = depth + agree
+        if agree < min(len(rem), room) and (at == len(entry) or entry.reach[at] < rem.reach[agree]):
+            entry.keys = entry.keys[:at * KEY_BYTES] + rem.keys[agree * KEY_BYTES:room * KEY_BYTES]
+            entry.reach = np.concatenate([entry.reach[:at], rem.reach[agree:room]])
         self._keys_held += len(entry) - before
 
     def _weight(self, now_s: float) -> float:

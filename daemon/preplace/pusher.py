@@ -163,10 +163,11 @@ class PrePlacer:
                 pinned = pinned_bytes = 0
                 for prefix in plan:
                     ns = prefix.ns_id or None
-                    blocks, nbytes, lost = self._fill(link, prefix, ns)
+                    blocks, nbytes, leading = self._fill(link, prefix, ns)
                     put_blocks, put_bytes = put_blocks + blocks, put_bytes + nbytes
-                    keys = [k for k in prefix.keys if k not in lost]
-                    sizes = [s for k, s in zip(prefix.keys, prefix.sizes) if k not in lost]
+                    keys, sizes = prefix.keys[:leading], prefix.sizes[:leading]
+                    if not keys:
+                        continue
                     confirmed = link.soft_pin(keys, ns, ttl_s)
                     ok_keys = [k for k, ok in zip(keys, confirmed) if ok]
                     ok_sizes = [s for s, ok in zip(sizes, confirmed) if ok]
@@ -182,28 +183,29 @@ class PrePlacer:
                  put_bytes, pinned, ttl_s)
         return EdgeOutcome(edge.name, edge.address, True, put_blocks, put_bytes, pinned, pinned_bytes)
 
-    def _fill(self, link: EdgeLink, prefix: PlannedPrefix, ns: bytes | None) -> tuple[int, int, set[bytes]]:
-        """PUT the blocks of ``prefix`` the edge lacks, read here in READ_CHUNK_BYTES batches:
-        (blocks put, bytes put, keys this region no longer had when read)."""
-        present = link.present(prefix.keys, ns)
-        missing = [(k, s) for k, s, here in zip(prefix.keys, prefix.sizes, present.tolist()) if not here]
+    def _fill(self, link: EdgeLink, prefix: PlannedPrefix, ns: bytes | None) -> tuple[int, int, int]:
+        """PUT the blocks of ``prefix`` the edge lacks, read here in READ_CHUNK_BYTES batches, up
+        to the first one this region no longer has when read (behind it the edge would hold no
+        prefix): (blocks put, bytes put, how many leading keys of ``prefix`` the edge has now)."""
+        present = link.present(prefix.keys, ns).tolist()
+        missing = [i for i, here in enumerate(present) if not here]
         blocks_put = bytes_put = 0
-        lost: set[bytes] = set()
         start = 0
         while start < len(missing):
             end, size = start, 0
-            while end < len(missing) and (end == start or size + missing[end][1] <= READ_CHUNK_BYTES):
-                size += missing[end][1]
+            while end < len(missing) and (end == start or size + prefix.sizes[missing[end]] <= READ_CHUNK_BYTES):
+                size += prefix.sizes[missing[end]]
                 end += 1
-            keys = [k for k, _ in missing[start:end]]
+            keys = [prefix.keys[i] for i in missing[start:end]]
             blocks = self._engine.get_many(keys)  # verified (header, key, payload CRC), None when gone
-            lost |= {k for k, b in zip(keys, blocks) if b is None}
-            found = [(k, b) for k, b in zip(keys, blocks) if b is not None]
+            found = next((j for j, block in enumerate(blocks) if block is None), len(blocks))
             if found:
-                bytes_put += link.put([k for k, _ in found], [b for _, b in found], ns)
-                blocks_put += len(found)
+                bytes_put += link.put(keys[:found], blocks[:found], ns)
+                blocks_put += found
+            if found < len(blocks):
+                return blocks_put, bytes_put, missing[start + found]
             start = end
-        return blocks_put, bytes_put, lost
+        return blocks_put, bytes_put, len(prefix.keys)
 
     # -- figures ------------------------------------------------------------------------
     def statistics(self) -> PreplaceStatistics:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvtier.common.cluster_url import PREPLACE_CLIENT_NAME
 from kvtier.common.blockformat import BlockFormatError, decode_header
 from kvtier.common.tokens import token_matches
 from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, NoSpaceError
@@ -161,8 +162,9 @@ class RequestHandler:
 
     def _pulls_for(self, session: Session) -> bool:
         """Whether this session's misses go to the upstream: not for another daemon's upstream
-        client (one hop only), so two daemons that name each other never forward in a loop."""
-        return self.upstream is not None and session.client_name != UPSTREAM_CLIENT_NAME
+        client (one hop only), so two daemons that name each other never forward in a loop, nor
+        for a region pushing prefixes (what it asks is not a client's request)."""
+        return self.upstream is not None and session.client_name not in (UPSTREAM_CLIENT_NAME, PREPLACE_CLIENT_NAME)
 
     def payload_in_place(self, session: Session, head, meta) -> memoryview | None:
         """For a PUT frame whose header and meta were read: room in the engine's open region
