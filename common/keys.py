@@ -262,6 +262,9 @@ def layer_group_key(block_key: bytes, group: int) -> bytes:
 def repeated_key(keys) -> str | None:
     """Which items of a batch that stores blocks name one key twice (the first such pair), or None:
     such a batch names each key once, as two blocks under one key in one request is a broken client."""
+    keys = keys if isinstance(keys, list) else list(keys)
+    if len(set(keys)) == len(keys):  # the common case, at C speed (keys are bytes)
+        return None
     seen: dict[bytes, int] = {}
     for again, key in enumerate(keys):
         first = seen.setdefault(key, again)
