@@ -115,8 +115,8 @@ class Allocator:
                 self.wait_unreserved()
                 continue
             assert self.take_clean is not None, "no region manager wired to the allocator"
-            # while this waits for a clean region (the lock let go), nobody appends to the open image:
-            # what a caller marked in it for taking back (take_back) stays only its own
+            # while this waits for a clean region (the lock let go), nobody appends to the open image;
+            # a commit may still sync it, so a caller with appends to take back seals them first
             rolling = self._roll_from()
             try:
                 region = self.take_clean(use_reserve, lambda: self.appendable(block_bytes, entries))

@@ -119,12 +119,12 @@ class Durability:
         number, self._in_flight = self._started, True
         error = None
         snap = None
-        owed = False
+        owed = wanted = False
         try:
             self._wait_for_issued_writes()
             owed = self._entries_owed_from is not None and number >= self._entries_owed_from
-            snap = self._snapshot(self._entries_wanted or owed)
-            self._entries_wanted = False
+            wanted, self._entries_wanted = self._entries_wanted, False
+            snap = self._snapshot(wanted or owed)
             self._lock.release()
             try:
                 self._write(snap)
@@ -140,6 +140,8 @@ class Durability:
                 if owed and self._entries_owed_from is not None and number >= self._entries_owed_from:
                     self._entries_owed_from = None  # owed since before this commit began: all written
             else:
+                # callers of the next commit may have asked for entries before this one took them
+                self._entries_wanted |= wanted
                 self._counters.device_errors += 1
                 self._failed[number] = error
                 self._failed.pop(number - COMMIT_RESULTS_KEPT, None)

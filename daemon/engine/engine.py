@@ -77,9 +77,8 @@ class Engine:
     @staticmethod
     def format(cfg: EngineConfig, force: bool = False, devices: Sequence[Device] | None = None,
                force_hint: str = "force=True") -> None:
-        """Write fresh superblocks (erases the store). A device that already
-        holds a kvtier store needs ``force=True``; the refusal names it as
-        ``force_hint`` (``--force`` on the command line)."""
+        """Write fresh superblocks (erases the store). A device that already holds a kvtier store
+        needs ``force=True``; the refusal names it as ``force_hint`` (``--force`` on the command line)."""
         owned = devices is None
         devs = open_devices(cfg, create=True) if owned else list(devices)
         try:
@@ -208,11 +207,12 @@ class Engine:
                     seqs[i] = seqs[first_of[(k0l[i], k1l[i])]]
                     continue
                 if not allocator.appendable(view.nbytes):
+                    if pending:  # sealed: a commit in ensure_room's wait (no lock) may sync them past a take-back
+                        allocator.seal(wait=False)
                     self._blocks.insert_appended(pending)
                     first_of.clear()
                     allocator.ensure_room(view.nbytes)
-                    # a reclaim may have evicted or moved blocks and rehashed the index: find the
-                    # rest of the batch again (this batch's blocks so far are in the index now)
+                    # a reclaim may have evicted or moved blocks and rehashed the index: find the rest again
                     slots[i:] = self._index.find_many(k0s[i:], k1s[i:]).tolist()
                     if slots[i] >= 0:
                         seqs[i] = self._blocks.seq_of(slots[i])
