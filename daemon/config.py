@@ -67,6 +67,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTIONS = EVICTION_POLICIES
 UPSTREAM_TIMEOUT_MS_DEFAULT = 1000  # a WAN round trip and a few MiB at 1 Gbit/s, with room to spare
 UPSTREAM_TIMEOUT_MS_MAX = 60_000  # beyond this a request waits on a dead upstream longer than clients do
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})  # a bind on every address: it overlaps any other host's
 _SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -181,9 +182,13 @@ class DaemonConfig:
         for name, seconds in (("frame_timeout", self.frame_timeout_s), ("idle_timeout", self.idle_timeout_s)):
             if not 0 < seconds <= TIMEOUT_S_MAX:
                 raise ConfigError(f"{name}: must be positive and at most {TIMEOUT_S_MAX:.0f} s (7 days), got {seconds}")
+        for name in ("token_file", "upstream_token_file", "preplace_token_file"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"{name}: is an empty path (omit the setting for no token)")
         host, _ = self.listen_address
         if self.admin != "none":
             parse_listen_address(self.admin, "admin")
+            self._check_admin_is_not_listen()
         if self.token_file is None and not is_loopback(host):
             raise ConfigError(f"listen: refusing to bind non-loopback address {host!r} without token_file")
         if self.admin != "none" and self.token_file is None and not is_loopback(self.admin_address[0]):
@@ -196,6 +201,14 @@ class DaemonConfig:
         if self.nixl_tls is not None and not self.nixl_tls.strip(" ,"):
             raise ConfigError("nixl_tls: names no UCX transport (e.g. 'self,sm,tcp')")
         self._check_preplace()
+        self.engine_config()  # the geometry: sizes, a device listed twice
+
+    def _check_admin_is_not_listen(self) -> None:
+        (data_host, data_port), (admin_host, admin_port) = self.listen_address, self.admin_address
+        overlap = data_host == admin_host or data_host in WILDCARD_HOSTS or admin_host in WILDCARD_HOSTS
+        if data_port != 0 and data_port == admin_port and overlap:
+            raise ConfigError(f"admin: {self.admin!r} is the data address (listen {self.listen!r}) too; "
+                              "give the admin API a port of its own")
 
     def _check_preplace(self) -> None:
         if self.preplace_edges is None:
@@ -301,11 +314,14 @@ class DaemonConfig:
     def engine_config(self):
         """The :class:`kvtier.daemon.engine.EngineConfig` these settings describe."""
         from kvtier.daemon.engine import EngineConfig
-        return EngineConfig(device_paths=self.device_paths, device_size_bytes=self.device_size_bytes,
-                            stripe_size_bytes=self.stripe_size_bytes, region_size_bytes=self.region_size_bytes,
-                            eviction=self.eviction, reinsertion_hits_min=self.reinsert_hits,
-                            pinned_fraction_max=self.pinned_fraction_max,
-                            clean_regions_target=self.clean_regions_target)
+        try:
+            return EngineConfig(device_paths=self.device_paths, device_size_bytes=self.device_size_bytes,
+                                stripe_size_bytes=self.stripe_size_bytes, region_size_bytes=self.region_size_bytes,
+                                eviction=self.eviction, reinsertion_hits_min=self.reinsert_hits,
+                                pinned_fraction_max=self.pinned_fraction_max,
+                                clean_regions_target=self.clean_regions_target)
+        except ValueError as exc:  # EngineConfig names its field: region_size_bytes, device_paths, ...
+            raise ConfigError(str(exc).removeprefix("EngineConfig.")) from None
 
 
 # TOML key -> (DaemonConfig field, converter)

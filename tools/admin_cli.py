@@ -243,8 +243,11 @@ def cmd_get(args) -> int:
         return EXIT_FAILED
     data = bytes(block) if args.block else bytes(payload_of(block))
     if args.output and args.output != "-":
-        with open(args.output, "wb") as fh:
-            fh.write(data)
+        try:
+            with open(args.output, "wb") as fh:
+                fh.write(data)
+        except OSError as exc:
+            raise UsageError(f"-o {args.output}: {exc.strerror}") from None
         print(f"{key.hex()}: {len(data)} bytes -> {args.output} (seq {header.seq})", file=sys.stderr)
     else:
         sys.stdout.buffer.write(data)

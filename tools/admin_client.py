@@ -11,6 +11,7 @@ with status 0 naming the address.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -65,7 +66,16 @@ class AdminClient:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise AdminError(0, f"cannot reach the kvtierd admin API at {self.address}: {reason}") from None
-        return json.loads(payload) if expect_json else payload
+        except http.client.HTTPException as exc:  # a peer that does not speak HTTP (a data port, say)
+            raise AdminError(0, f"{self.address} did not answer as the kvtierd admin API does: "
+                                f"{type(exc).__name__}") from None
+        if not expect_json:
+            return payload
+        try:
+            return json.loads(payload)
+        except ValueError:
+            raise AdminError(0, f"{self.address} answered {method} {path} with something other than "
+                                "JSON: is it the kvtierd admin API?") from None
 
     # -- endpoints -------------------------------------------------------------------
     def healthz(self) -> dict:

@@ -23,7 +23,8 @@ GET      /metrics                     Prometheus text exposition (or OpenMetrics
 GET      /openapi.json, /docs, /redoc OpenAPI document, Swagger UI, ReDoc (auth like the rest)
 =======  ===========================  =================================================
 
-Every error is JSON (:mod:`.errors`); auth is :mod:`.auth`; the health, stats,
+Every error is JSON (:mod:`.errors`); auth is :mod:`.auth`, applied before a body is read by
+:mod:`.gate`, which also bounds the body; the health, stats,
 config and metrics routes are :mod:`.routes`, the block routes :mod:`.blocks`.
 Block routes answer 503 while the daemon is not ready (starting, or draining
 on SIGTERM).
@@ -36,6 +37,7 @@ from kvtier.daemon.admin.auth import make_auth_dependency
 from kvtier.daemon.admin.blocks import blocks_router
 from kvtier.daemon.admin.docs import docs_router
 from kvtier.daemon.admin.errors import install_error_handlers
+from kvtier.daemon.admin.gate import RequestGate
 from kvtier.daemon.admin.keys import keys_router
 from kvtier.daemon.admin.kv_events_routes import kv_events_router
 from kvtier.daemon.admin.preplace_routes import preplace_router
@@ -49,6 +51,7 @@ def build_app(view: AdminStateView) -> FastAPI:
                   description="Health, statistics, per-block info, pin/unpin, evict, config and "
                               "Prometheus metrics of one kvtierd storage node.")
     install_error_handlers(app, on_internal_error=lambda reason: view.engine.fail(reason))
+    app.add_middleware(RequestGate, view=view)  # auth and the body limit, before a body is read
     auth = [Depends(make_auth_dependency(view))]
 
     def require_ready() -> None:

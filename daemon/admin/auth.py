@@ -13,6 +13,7 @@ from kvtier.daemon.admin.view import AdminStateView
 from kvtier.daemon.config import is_loopback as is_loopback_host
 
 AUTH_SCHEME = "bearer"
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})  # probes: served to anyone
 
 
 def _is_loopback_client(request: Request) -> bool:
@@ -20,24 +21,32 @@ def _is_loopback_client(request: Request) -> bool:
     return client is not None and is_loopback_host(client.host)
 
 
+def auth_refusal(view: AdminStateView, request: Request) -> HTTPException | None:
+    """The 401/403 for a request that may not pass, or None."""
+    token = view.token()
+    if token is None:
+        if not _is_loopback_client(request):
+            return HTTPException(403, "the admin API has no token configured and serves loopback clients only")
+        return None
+    header = request.headers.get("authorization")
+    if header is None:
+        return HTTPException(401, "missing 'Authorization: Bearer <token>' header",
+                             headers={"WWW-Authenticate": "Bearer"})
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != AUTH_SCHEME or not presented:
+        return HTTPException(401, "the Authorization header must be 'Bearer <token>'",
+                             headers={"WWW-Authenticate": "Bearer"})
+    if not view.check_token(presented.strip()):
+        return HTTPException(401, "wrong token", headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
 def make_auth_dependency(view: AdminStateView):
     """A FastAPI dependency that raises 401/403 for a request that may not pass."""
 
     def require_auth(request: Request) -> None:
-        token = view.token()
-        if token is None:
-            if not _is_loopback_client(request):
-                raise HTTPException(403, "the admin API has no token configured and serves loopback clients only")
-            return
-        header = request.headers.get("authorization")
-        if header is None:
-            raise HTTPException(401, "missing 'Authorization: Bearer <token>' header",
-                                headers={"WWW-Authenticate": "Bearer"})
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != AUTH_SCHEME or not presented:
-            raise HTTPException(401, "the Authorization header must be 'Bearer <token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
-        if not view.check_token(presented.strip()):
-            raise HTTPException(401, "wrong token", headers={"WWW-Authenticate": "Bearer"})
+        refusal = auth_refusal(view, request)
+        if refusal is not None:
+            raise refusal
 
     return require_auth

@@ -31,7 +31,10 @@ def key_from_hex(text: str) -> bytes:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Unknown fields refused, and JSON values of the declared type only (``"yes"`` is not true, nor
+    ``true`` a token id)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class LayoutSpec(_Strict):
