@@ -161,6 +161,7 @@ class DaemonConfig:
     format: bool = False
     force: bool = False
     config_file: str | None = None
+    from_flags: frozenset[str] = frozenset()  # settings the command line gave: a SIGHUP keeps them
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
@@ -309,6 +310,7 @@ class DaemonConfig:
         doc["token_file"] = None if self.token_file is None else "<set>"
         doc["upstream_token_file"] = None if self.upstream_token_file is None else "<set>"
         doc["preplace_token_file"] = None if self.preplace_token_file is None else "<set>"
+        doc["from_flags"] = sorted(self.from_flags)
         return doc
 
     def engine_config(self):
@@ -524,18 +526,23 @@ def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
         "preplace_ttl_s": ("preplace_ttl_s", float), "preplace_interval_s": ("preplace_interval_s", float),
         "preplace_token_file": ("preplace_token_file", str),
     }
+    from_flags = set()
     for arg, (field_name, conv) in flag_map.items():
         value = getattr(args, arg)
         if value is not None:
             settings[field_name] = conv(value)
+            from_flags.add(field_name)
     if args.force and not args.format:
         raise ConfigError("--force only makes sense with --format")
-    return DaemonConfig(**settings, format=args.format, force=args.force, config_file=args.config)
+    return DaemonConfig(**settings, format=args.format, force=args.force, config_file=args.config,
+                        from_flags=frozenset(from_flags))
 
 
 def reload_log_level(cfg: DaemonConfig) -> DaemonConfig:
-    """On SIGHUP: the config file's log level (and token file), other settings kept."""
+    """On SIGHUP: the config file's log level (and token file), other settings kept, and so are
+    those the command line gave (flags over the file, as at start)."""
     if not cfg.config_file:
         return cfg
     doc = load_toml(cfg.config_file)
-    return replace(cfg, **{k: doc[k] for k in ("log_level", "token_file") if k in doc})
+    reloaded = ("log_level", "token_file")
+    return replace(cfg, **{k: doc[k] for k in reloaded if k in doc and k not in cfg.from_flags})

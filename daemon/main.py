@@ -172,14 +172,15 @@ class Daemon:
         self._wake_w = wake_w
         try:
             while not self._stop_requested:
+                if self._reload_requested:  # checked first: a SIGHUP may have come before the wakeup fd was set
+                    self._reload_requested = False
+                    self._reload()
+                    continue
                 select.select([wake_r], [], [], interval)
                 try:
                     os.read(wake_r, 4096)
                 except BlockingIOError:
                     pass
-                if self._reload_requested:
-                    self._reload_requested = False
-                    self._reload()
                 if interval is not None and not self._stop_requested:
                     self.notifier.watchdog()
         finally:

@@ -231,6 +231,28 @@ def test_sighup_reloads_the_token_and_keeps_connections(tmp_path):
         assert d.stop() == 0
 
 
+def test_sighup_keeps_what_the_command_line_gave_over_the_file(tmp_path):
+    token_file, flag_token = tmp_path / "token", tmp_path / "flag-token"
+    token_file.write_text("from-file")
+    flag_token.write_text("from-flag")
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'token_file = "{token_file}"\nlog_level = "info"\n')
+    d = start_kvtierd(tmp_path / "d", "--config", str(cfg), "--log-level", "debug", "--token-file", str(flag_token))
+    try:
+        cfg.write_text(f'token_file = "{token_file}"\nlog_level = "error"\n')
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while "event=reloaded" not in d.log_tail():
+            assert time.monotonic() < deadline, d.log_tail()
+            time.sleep(0.05)
+        assert "event=reloaded log_level=debug" in d.log_tail()  # the flag's, not the file's error
+        assert BlockClient(d.data_addr, token="from-flag").ping() >= 0
+        with pytest.raises(RemoteError, match="wrong token"):
+            BlockClient(d.data_addr, token="from-file").ping()
+    finally:
+        assert d.stop() == 0
+
+
 def test_embedded_default_is_four_reserved_1g_files(tmp_path):
     from daemon_proc import KvtierdProcess
     d = KvtierdProcess(tmp_path / "data", ["--listen", "127.0.0.1:0", "--admin", "none"])
