@@ -37,7 +37,9 @@ def test_toml_keys_and_the_cluster_form(tmp_path):
     (["--preplace-edges", "etcd:///x"], "names no etcd endpoint"),
     (["--preplace-edges", "h:1", "--preplace-ttl-s", "0"], "preplace_ttl_s: 0.0 is outside"),
     (["--preplace-edges", "h:1", "--preplace-ttl-s", "5e6"], "preplace_ttl_s"),
-    (["--preplace-edges", "h:1", "--preplace-interval-s", "0.01"], "preplace_interval_s: 0.01 is below"),
+    (["--preplace-edges", "h:1", "--preplace-interval-s", "0.01"], "preplace_interval_s: 0.01 is outside"),
+    (["--preplace-edges", "h:1", "--preplace-interval-s", "inf"], "preplace_interval_s: inf is outside"),
+    (["--preplace-edges", "h:1", "--preplace-interval-s", "nan"], "preplace_interval_s: nan is outside"),
     (["--preplace-edges", "h:1", "--preplace-bytes", "0"], "--preplace-bytes: must be positive"),
     (["--preplace-token-file", "/tmp/t"], "preplace_token_file: only makes sense with preplace_edges"),
 ])

@@ -19,6 +19,7 @@ PREPLACE_BYTES_DEFAULT = 1 << 30  # 1 GiB per edge: a few hundred hot system pro
 PREPLACE_TTL_S_DEFAULT = 600.0  # ten pushes at the default interval: a prefix that cools lasts 10 minutes
 PREPLACE_INTERVAL_S_DEFAULT = 60.0  # a minute: popularity moves slower than requests
 PREPLACE_INTERVAL_S_MIN = 0.1  # below this the pusher would only rank, never finish a round
+PREPLACE_INTERVAL_S_MAX = 24 * 3600.0  # a day between rounds: longer is a typo (and soft pins outlive no round)
 PIN_TTL_S_MAX = (2**32 - 1) / 1000.0  # the wire carries a soft pin's TTL as u32 milliseconds (~49.7 days)
 PIN_TTL_S_MIN = 0.001  # one millisecond: the wire's unit
 EDGES_MAX = 256  # edges one region pushes to; more is a typo (or a tier of its own)
@@ -70,9 +71,9 @@ class PreplaceSettings:
             raise PreplaceConfigError(f"preplace_bytes: must be a positive size, got {self.budget_bytes!r}")
         check_ttl_s(self.ttl_s)
         if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, (int, float)) \
-                or not self.interval_s >= PREPLACE_INTERVAL_S_MIN:
-            raise PreplaceConfigError(f"preplace_interval_s: {self.interval_s!r} is below "
-                                      f"{PREPLACE_INTERVAL_S_MIN} seconds")
+                or not PREPLACE_INTERVAL_S_MIN <= self.interval_s <= PREPLACE_INTERVAL_S_MAX:
+            raise PreplaceConfigError(f"preplace_interval_s: {self.interval_s!r} is outside "
+                                      f"{PREPLACE_INTERVAL_S_MIN}..{PREPLACE_INTERVAL_S_MAX:.0f} seconds")
 
     @property
     def cluster_url(self) -> ClusterUrl | None:
