@@ -1,6 +1,6 @@
 """A NIXL transport's control connection: the data protocol's NIXL_METADATA, NIXL_GET and
 NIXL_PUT on a blocking socket, progressing the client agent while a reply is awaited
-(:mod:`.nixl_transport`)."""
+(:mod:`.nixl_transport`), and settled when a request ended without its reply (:meth:`ControlChannel.settle`)."""
 from __future__ import annotations
 
 import itertools
@@ -76,6 +76,35 @@ class ControlChannel:
             if isinstance(event, p.ErrorReply):
                 raise p.RemoteError(event.code, event.message, event.request_id)
             return event
+
+    def settle(self, timeout_s: float, while_waiting=None, poll_s: float = 0.0):
+        """After an exchange that ended before its reply: close our side of the connection and wait up
+        to ``timeout_s`` for the daemon to end the request. kvtierd reads our end of the stream only
+        once the request it serves is over, then closes its side. Returns the request's reply (an
+        ``ErrorReply`` for an error) if it came, ``CONNECTION_CLOSED`` if the daemon closed (or reset)
+        the connection without one, None if neither came in time or what came does not parse.
+        ``while_waiting()`` is called every ``poll_s`` meanwhile. The connection is unusable after."""
+        self.broken = True
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while True:
+                event = self.conn.next_event()
+                if event is p.CONNECTION_CLOSED or (event is not p.NEED_DATA and event.request_id != 0):
+                    return event  # a connection-level ERROR (request id 0) comes before the daemon's close
+                if event is not p.NEED_DATA:
+                    continue
+                if (left := deadline - time.monotonic()) <= 0:
+                    return None
+                if select.select([self.sock], [], [], left if while_waiting is None else min(left, poll_s))[0]:
+                    receive_some(self.sock, self.conn)
+                elif while_waiting is not None:
+                    while_waiting()
+                    os.sched_yield()
+        except p.ProtocolError:
+            return None
+        except OSError:  # reset, or never connected: the daemon's side of it is gone
+            return p.CONNECTION_CLOSED
 
     def close(self) -> None:
         self.sock.close()

@@ -25,6 +25,9 @@ sending NIXL_METADATA again before the next NIXL_GET on each control connection.
 The daemon replies once every WRITE of a NIXL_GET is done: a NIXL_GET that ended otherwise
 (a timeout, a lost connection, a refusal past BAD_REQUEST) retires its buffer for good
 (:meth:`ClientAgent.retire`: a late WRITE may still land there); the next takes a fresh one.
+One that also scattered into the caller's memory, which the caller reuses once the load has
+failed, is settled first (:meth:`ControlChannel.settle`): the load returns once the daemon has
+ended the request, or after ``SETTLE_TIMEOUT_S`` (counted, logged: a late WRITE may then land).
 A block that fails verification, a failed transfer or a refused request is a
 fallback: the warm tier fetches those blocks over TCP and counts them.
 
@@ -72,6 +75,8 @@ PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET pr
 LEND_PIECE_BYTES_MIN = 256 << 10  # a NIXL_PUT piece outside registered memory this large is lent, not copied
 NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
 RETIRED_HOLD_S = 60.0  # a retired buffer's memory is kept: far past the daemon's TRANSFER_TIMEOUT_S (5 s)
+SETTLE_TIMEOUT_S = 10.0  # a scatter NIXL_GET without reply waits this long for the daemon to end it: twice its
+# TRANSFER_TIMEOUT_S (5 s), by when a daemon that posted WRITEs has them done or released
 
 
 class NixlUnavailable(RuntimeError):
@@ -96,6 +101,14 @@ def load_nixl():
 def nixl_importable() -> bool:
     """Whether NIXL is installed here (asked without importing it)."""
     return importlib.util.find_spec("nixl_cu12") is not None
+
+
+def _code_name(code) -> str:
+    """An error reply's code as its name (the number, for a code this client does not know)."""
+    try:
+        return p.ErrorCode(code).name
+    except ValueError:
+        return str(code)
 
 
 def buffer_address(buf) -> int:
@@ -283,6 +296,9 @@ class NixlStatistics:
     put_bytes_staged: int = 0  # of ``put_bytes``, copied into a registered buffer first (not in lent memory)
     puts_refused: int = 0  # NIXL_PUTs the daemon answered with an error (their blocks went to TCP)
     buffers_retired: int = 0  # destination buffers never reused: a NIXL_GET into them ended before its reply
+    scatters_settled: int = 0  # scatter NIXL_GETs without reply that the daemon then ended (SETTLE_TIMEOUT_S)
+    scatters_unsettled: int = 0  # scatter NIXL_GETs not ended in time, or answered with an error after WRITEs
+    # were posted (released, not stopped): a late WRITE may land in the caller's memory
 
 
 class NixlTransport:
@@ -432,7 +448,13 @@ class NixlTransport:
         except p.RemoteError as exc:
             self._count(refused=1)
             arriving.transfer_open = exc.code != p.ErrorCode.BAD_REQUEST  # BAD_REQUEST: refused before any WRITE
+            if arriving.transfer_open and extents is not None:  # released, not cancelled: over TCP bytes still come
+                self._scatter_unsettled(ch, f"the daemon gave up on its WRITEs: {_code_name(exc.code)}")
             raise NixlFetchFailed(f"NIXL_GET refused by the daemon: {exc}") from None
+        except BaseException:
+            if extents is not None:  # the caller's memory: it must not be written once the load returns
+                self._settle(ch, take_parts)
+            raise
         arriving.transfer_open = False
         self._count(requests=1)
         written = [(items[j], n) for j, n in enumerate(reply.lengths) if n and n != DEFERRED_LENGTH]
@@ -446,6 +468,36 @@ class NixlTransport:
                 raise NixlFetchFailed(f"the NIXL notifications of request {ch.last_request_id} did not cover its "
                                       f"blocks within {NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
             os.sched_yield()
+
+    def _settle(self, ch: ControlChannel, take_parts) -> None:
+        """End a scatter NIXL_GET that got no reply on ``ch``: wait for the daemon to end it, progressing
+        the agent meanwhile (a WRITE over TCP moves only so), and count how that went."""
+        def progress() -> None:
+            nonlocal progressing
+            if progressing:
+                try:
+                    take_parts()
+                except NixlFetchFailed as exc:  # the daemon's WRITE then times out, and it ends the request
+                    progressing = False
+                    log.warning("event=nixl_settle_progress_failed daemon=%s:%d error=%s", self._host, self._port, exc)
+
+        progressing = True
+        started = time.monotonic()
+        end = ch.settle(SETTLE_TIMEOUT_S, progress, self._poll_s)
+        if end is None:
+            self._scatter_unsettled(ch, f"the daemon did not end it within {SETTLE_TIMEOUT_S} s (SETTLE_TIMEOUT_S)")
+        elif isinstance(end, p.ErrorReply) and end.code != p.ErrorCode.BAD_REQUEST:
+            self._scatter_unsettled(ch, f"the daemon gave up on its WRITEs: {_code_name(end.code)}")
+        else:  # its reply (every WRITE done, or refused before any), or its close (it had ended the request)
+            self._count(scatters_settled=1)
+            log.info("event=nixl_scatter_settled daemon=%s:%d request=%d wait_s=%.3f", self._host, self._port,
+                     ch.last_request_id, time.monotonic() - started)
+
+    def _scatter_unsettled(self, ch: ControlChannel, why: str) -> None:
+        """A scatter NIXL_GET whose WRITEs may still land in the caller's memory after the load returns."""
+        self._count(scatters_unsettled=1)
+        log.warning("event=nixl_scatter_unsettled daemon=%s:%d request=%d: %s; a late WRITE may land in the caller's "
+                    "memory", self._host, self._port, ch.last_request_id, why)
 
     @property
     def puts(self) -> bool:
