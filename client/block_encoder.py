@@ -27,7 +27,6 @@ from .block_payload import copy_tensor, host_bits
 from .source_blocks import SourceBlocks, source_blocks, source_blocks_of_tensors
 
 SEND_BUFFERS_BYTES_MAX = 1 << 30  # idle send buffers kept for reuse; more are freed as they come back
-LZ4_GROWTH_BYTES = 1 << 16  # what lz4 may add to incompressible input of a block (plus 1/255 of it)
 
 
 class SendBuffers:
@@ -137,9 +136,9 @@ class BlockEncoder:
         if self._raw_header is not None:
             return len(self._raw_header) + self._nbytes
         probe = np.zeros(self.shape, self._dtype)
-        if hasattr(self.codec, "encoded_size"):
-            return self.codec.encoded_size(probe)
-        return len(self.codec.encode(probe)) + self._nbytes // 255 + LZ4_GROWTH_BYTES
+        if hasattr(self.codec, "encoded_size_max"):  # mixed, +lz4: the size depends on the data or the length
+            return self.codec.encoded_size_max(probe)
+        return self.codec.encoded_size(probe)
 
     def encode(self, kv: Sequence, first_block: int, keys: Sequence[bytes],
                seq_tokens: int | None = None, sealed: bool = True) -> "EncodedBlocks":
@@ -216,7 +215,7 @@ class BlockEncoder:
         block = scratch.view(self._dtype)
         if hasattr(self.codec, "encode_into"):
             return self.codec.encode_into(block, payload)
-        if seq_tokens is not None and hasattr(self.codec, "layer_codecs"):
+        if seq_tokens is not None and getattr(self.codec, "takes_seq_tokens", False):
             data = self.codec.encode(block, seq_tokens=seq_tokens)  # mixed: the policy depends on the length
         else:
             data = self.codec.encode(block)  # lz4 stages produce bytes of their own

@@ -179,7 +179,7 @@ class QuantCodec:
     Scheme (KIVI-like; quant_ref.py has the exact byte layout): a block
     ``[..., T, D]`` is seen as ``[B, T, D]``; each channel ``d`` of each group
     of ``group_tokens`` consecutive tokens gets one scale, the smallest stored
-    value (fp16 for fp16 data, fp32 for bf16/fp32) with ``scale * QMAX >= absmax``;
+    value (fp16 for fp16 data, fp32 for bf16/fp32, at least 2**-126) with ``scale * QMAX >= absmax``;
     values are ``x / scale`` rounded half-even to int8 (QMAX 127), int4 (7, two
     per byte) or e4m3 (448). Per-channel scales keep outlier channels (10-20x
     the others, common in keys) from flattening the rest; token groups bound the

@@ -9,13 +9,33 @@ makes every rounding explicit so the results match quant_ref.py bit for bit:
   step up if short; the check in double, where it is exact);
 * inv = 1 / scale (IEEE), v = x * inv (``__fmul_rn``: no contraction);
 * int8/int4: ``rintf`` (half-even); fp8: ``f32_to_e4m3`` (RNE, input <= 448);
-* decode: ``__fmul_rn(q, scale)`` then RNE to the output dtype.
+* an fp32 scale is at least 2**-126 unless 0 (``KV_SCALE_F32_MIN``: its inverse is finite);
+* decode: ``__fmul_rn(q, scale)``, clamped to the output dtype's finite range, then RNE to it.
 """
 from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
 
 KV_DTYPES = {"f16": "unsigned short", "bf16": "unsigned short", "f32": "float"}
 QUANT_KINDS = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 PAGED_WORDS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long", 16: "uint4"}
+KV_DTYPE_MAX = {"f16": float(np.finfo(np.float16).max), "bf16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
+                "f32": float(np.finfo(np.float32).max)}  # as quant_ref.finite_max
+SCALE_F32_MIN = float(np.finfo(np.float32).tiny)  # as quant_ref.SCALE_F32_MIN
+
+
+def _float_literal(value: float) -> str:
+    """An exact C float literal (hexadecimal)."""
+    return value.hex() + "f"
+
+
+_CLAMP = r"""
+/* decoded values within the dtype's finite range; NaN passes (as np.clip) */
+__device__ __forceinline__ float clamp_{dt}(float f) {{
+    return f > {MAX} ? {MAX} : (f < -{MAX} ? -{MAX} : f);
+}}
+"""
 
 _COMMON = r"""
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {
@@ -53,6 +73,7 @@ __device__ __forceinline__ float make_scale_f16(float amax, float qmax, unsigned
 __device__ __forceinline__ float make_scale_f32(float amax, float qmax, float* out) {
     float s = amax / qmax;
     if ((double)s * (double)qmax < (double)amax) s = __uint_as_float(__float_as_uint(s) + 1u);
+    if (s != 0.0f && s < KV_SCALE_F32_MIN) s = KV_SCALE_F32_MIN;
     *out = s; return s;
 }
 __device__ __forceinline__ float read_scale_f16(const unsigned short* p, long long i) { return f16_to_f32(p[i]); }
@@ -112,7 +133,7 @@ extern "C" __global__ void kv_dequant_{kind}_{dt}(const {Q}* __restrict__ q, con
     long long r = rt / tokens;
     long long ng = (tokens + group - 1) / group;
     float s = read_scale_{sdt}(scales, (r * ng + t / group) * dim + d);
-    store_{dt}(out, idx, __fmul_rn({UNCONVERT}, s));
+    store_{dt}(out, idx, clamp_{dt}(__fmul_rn({UNCONVERT}, s)));
 }}
 """
 
@@ -161,8 +182,8 @@ extern "C" __global__ void kv_dequant_int4_{dt}(const unsigned char* __restrict_
     signed char b = (signed char)q[idx];
     float lo = (float)((signed char)(b << 4) >> 4);
     float hi = (float)(b >> 4);
-    store_{dt}(out, 2 * idx, __fmul_rn(lo, read_scale_{sdt}(scales, sidx)));
-    store_{dt}(out, 2 * idx + 1, __fmul_rn(hi, read_scale_{sdt}(scales, sidx + 1)));
+    store_{dt}(out, 2 * idx, clamp_{dt}(__fmul_rn(lo, read_scale_{sdt}(scales, sidx))));
+    store_{dt}(out, 2 * idx + 1, clamp_{dt}(__fmul_rn(hi, read_scale_{sdt}(scales, sidx + 1))));
 }}
 """
 
@@ -199,7 +220,8 @@ def scale_code(dt: str) -> str:
 
 def codec_source() -> str:
     """All quantize/dequantize kernels: {int8, fp8, int4} x {f16, bf16, f32}."""
-    parts = [_COMMON]
+    parts = [f"#define KV_SCALE_F32_MIN {_float_literal(SCALE_F32_MIN)}", _COMMON]
+    parts += [_CLAMP.format(dt=dt, MAX=_float_literal(KV_DTYPE_MAX[dt])) for dt in KV_DTYPES]
     for dt, ctype in KV_DTYPES.items():
         sdt = scale_code(dt)
         stype = "unsigned short" if sdt == "f16" else "float"

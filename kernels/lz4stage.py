@@ -114,8 +114,18 @@ class Lz4Codec:
     def codec_id(self) -> int:
         return codec_ids.codec_id(self.name)
 
-    def encode(self, x: Any) -> bytes:
-        payload = self.base.encode(x)
+    @property
+    def takes_seq_tokens(self) -> bool:
+        return getattr(self.base, "takes_seq_tokens", False)
+
+    def encoded_size_max(self, x: Any) -> int:
+        """The largest frame of an array shaped like ``x``: the base payload stored, after the frame header."""
+        base_max = getattr(self.base, "encoded_size_max", None) or self.base.encoded_size
+        return _FRAME.size + base_max(x)
+
+    def encode(self, x: Any, *, seq_tokens: int | None = None) -> bytes:
+        """``seq_tokens`` goes to a base codec that takes it (mixed)."""
+        payload = self.base.encode(x) if seq_tokens is None else self.base.encode(x, seq_tokens=seq_tokens)
         # byte planes only help 2-byte elements, i.e. raw fp16/bf16 bytes
         mode, body = compress(payload, try_shuffle=self.base.name == "raw")
         return _FRAME.pack(MAGIC, mode, len(payload)) + body

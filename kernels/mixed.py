@@ -77,6 +77,7 @@ class MixedCodec:
     policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
     group_tokens: int | None = None
     name: ClassVar[str] = "mixed"
+    takes_seq_tokens: ClassVar[bool] = True  # encode(x, seq_tokens=...): the policy's input
 
     @property
     def codec_id(self) -> int:
@@ -91,6 +92,16 @@ class MixedCodec:
         bodies = [_layer_codec(n, self.group_tokens).encode(x[i]) for i, n in enumerate(names)]
         table = b"".join(_ENTRY.pack(codec_ids.codec_id(n), len(b)) for n, b in zip(names, bodies))
         return _HEAD.pack(MAGIC, VERSION, len(names)) + table + b"".join(bodies)
+
+    def encoded_size_max(self, x: Any) -> int:
+        """The largest payload of an array shaped like ``x``, over every sequence length."""
+        shape = tuple(int(n) for n in x.shape)
+        if len(shape) < 3:
+            raise ValueError(f"mixed codec needs [layers, ..., tokens, head_dim], got shape {shape}")
+        outcomes = {self.policy.layer_codecs(shape[0], seq) for seq in (0, self.policy.min_tokens)}
+        per_layer = {n: _layer_codec(n, self.group_tokens).encoded_size(x[0]) for n in set().union(*outcomes)}
+        body = max(sum(per_layer[n] for n in names) for names in outcomes)
+        return _HEAD.size + shape[0] * _ENTRY.size + body
 
     def layer_payloads(self, data: bytes | memoryview) -> list[tuple[str, memoryview]]:
         """(codec name, payload) per layer; ValueError on a malformed payload."""

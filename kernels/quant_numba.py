@@ -34,6 +34,7 @@ threads at once).
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 try:
@@ -51,6 +52,9 @@ KIND_CODES = {"int8": 0, "fp8": 1, "int4": 2}
 QMAX = np.array([127.0, 448.0, 7.0], np.float32)
 NONFINITE = -1  # kernel result: the input has NaN or infinite values
 F16, BF16, F32 = 0, 1, 2  # element codes of the input (encode) and output (decode)
+OUT_MAX = np.array([np.finfo(np.float16).max, ml_dtypes.finfo(ml_dtypes.bfloat16).max, np.finfo(np.float32).max],
+                   np.float32)  # the finite max of each element code's dtype
+SCALE_F32_MIN = np.float32(np.finfo(np.float32).tiny)  # as quant_ref.SCALE_F32_MIN
 
 U = np.uint32
 RND = np.float32(12582912.0)  # 1.5 * 2**23: v + RND rounds v half-even to an integer, for |v| < 2**22
@@ -207,8 +211,9 @@ def _group_scales(mbits, in_code, qmax, s16, s32, sr, inv):
     """Scales of one group (row ``sr`` of s16 or s32) and their fp32 inverses, from the max magnitude bits.
 
     scale = RNE(absmax / qmax) in the stored dtype, one step up if scale * qmax < absmax
-    (compared in float64, where the product is exact), as quant_ref.scales_from_absmax;
-    inv = 1 / scale (0 for a zero scale). NONFINITE if a channel's absmax is inf or NaN.
+    (compared in float64, where the product is exact), an fp32 scale at least SCALE_F32_MIN
+    unless 0, as quant_ref.scales_from_absmax; inv = 1 / scale (0 for a zero scale).
+    NONFINITE if a channel's absmax is inf or NaN.
     """
     d_total = mbits.shape[0]
     top = U(0)
@@ -231,6 +236,7 @@ def _group_scales(mbits, in_code, qmax, s16, s32, sr, inv):
             a = f32_from_bits(U(mbits[d] << shift))
             s = a / qmax
             s = f32_from_bits(U(bits_from_f32(s) + U(np.float64(s) * qmax64 < np.float64(a))))  # next larger
+            s = SCALE_F32_MIN if s < SCALE_F32_MIN and s != np.float32(0.0) else s
             s32[sr, d] = s
             inv[d] = np.float32(1.0) / s if s != np.float32(0.0) else np.float32(0.0)
     return 0
@@ -293,11 +299,13 @@ def quantize(x16, x32, in_code, kind, g, t_total, s16, s32, q):
 def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
     """q [B*T, D or D/2] bytes and scales [B*ng, D] (fp16 bits in s16, or fp32 in s32) -> out [B*T, D].
 
-    out_code F16 / BF16: bits into out16; F32: values into out32.
+    out_code F16 / BF16: bits into out16; F32: values into out32. Values are clamped to the
+    output dtype's finite range (OUT_MAX), as quant_ref.dequantize_into.
     """
     rows, d_total = out32.shape if out_code == F32 else out16.shape
     b_total = rows // t_total
     ng = (t_total + g - 1) // g
+    fmax = OUT_MAX[out_code]
     ss = np.empty(d_total, np.float32)
     ys = np.empty(d_total, np.float32)  # one token row (stays in L1)
     qi = q.view(np.int8)
@@ -324,6 +332,10 @@ def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
                         byte = np.int32(qi[t, p])
                         ys[2 * p] = np.float32(np.int32(U(byte) << U(28)) >> 28) * ss[2 * p]  # low nibble
                         ys[2 * p + 1] = np.float32(byte >> 4) * ss[2 * p + 1]
+                for d in range(d_total):  # clamp to the finite range (NaN passes, as np.clip)
+                    y = ys[d]
+                    y = fmax if y > fmax else y
+                    ys[d] = -fmax if y < -fmax else y
                 if out_code == F16:
                     for d in range(d_total):
                         out16[t, d] = f32_to_f16(ys[d])

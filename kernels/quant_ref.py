@@ -12,7 +12,11 @@ A channel that is 20x the others gets its own scale, so it wastes no range of
 the others (per-token scales would). The scale is stored (fp16 for fp16 input,
 fp32 for bf16/fp32 input, whose range fp16 cannot hold) rounded *up* to the
 smallest value with scale * QMAX >= absmax, and quantizing uses that stored
-number, so encoder and decoder agree and |x / scale| never exceeds QMAX. All arithmetic
+number, so encoder and decoder agree and |x / scale| never exceeds QMAX. An fp32 scale
+is at least SCALE_F32_MIN (2**-126, unless it is 0), so its inverse is finite; a channel
+below QMAX * 2**-126 is then off by less than 2**-127. Decoded values are clamped to the
+output dtype's finite range: a scale rounded up can put QMAX * scale just past it (fp16
+65504), and the input was finite. All arithmetic
 is fp32 with IEEE rounding (division, multiply, round-half-even), which is what
 makes the CuPy kernels byte-identical to this file.
 
@@ -36,6 +40,7 @@ from .arrays import FP16, FP32
 from .hostcast import narrow, widen
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+SCALE_F32_MIN = np.float32(np.finfo(np.float32).tiny)  # 2**-126: 1 / scale stays finite (2**126)
 CHUNK_ELEMENTS = 1 << 16  # per pass: the fp32 scratch (256 KiB) stays in a 512 KiB L2
 
 
@@ -125,7 +130,14 @@ def scales_from_absmax(absmax: np.ndarray, qmax: float, scale_dtype: np.dtype) -
     if short.any():
         uint = np.uint16 if np.dtype(scale_dtype).itemsize == 2 else np.uint32
         s.view(uint)[short] += uint(1)  # next larger positive float
+    if np.dtype(scale_dtype) == FP32:
+        s[(s != 0) & (s < SCALE_F32_MIN)] = SCALE_F32_MIN
     return s
+
+
+def finite_max(dtype: np.dtype) -> np.float32:
+    """The largest finite value of a KV dtype, as fp32 (exact for fp16, bf16 and fp32)."""
+    return np.float32(ml_dtypes.finfo(dtype).max)
 
 
 def _inverse(scales: np.ndarray) -> np.ndarray:
@@ -196,6 +208,7 @@ def dequantize_into(q: np.ndarray, kind: QuantKind, g: int, scales: np.ndarray, 
     """Inverse of :func:`quantize_into`; writes into ``out`` [B, T, D] (C-contiguous)."""
     b_total, t, d = out.shape
     s32 = _to_f32(scales)
+    fmax = finite_max(out.dtype)
     buf = _scratch(b_total, t, d, g, FP32)
     for rs, ts, gs in _chunks(b_total, t, d, g):
         qc = q[rs, ts]
@@ -212,6 +225,7 @@ def dequantize_into(q: np.ndarray, kind: QuantKind, g: int, scales: np.ndarray, 
         sc = s32[rs, gs]
         for view, vgs in _group_views(xf, g):
             np.multiply(view, sc[:, vgs, None, :], out=view)
+        np.clip(xf, -fmax, fmax, out=xf)
         narrow(xf, out[rs, ts])
 
 
