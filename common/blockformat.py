@@ -26,6 +26,7 @@ Pure: no I/O, no dependencies beyond ``crc32c``.
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
 
 import crc32c
@@ -35,6 +36,8 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHHH16s16sIQII")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64, HEADER_SIZE
+# payloads, regions and frames are little-endian and read as native NumPy arrays (np.frombuffer)
+assert sys.byteorder == "little", "kvtier's formats are little-endian: a big-endian host would misread them"
 _CRC_COVERED = HEADER_SIZE - 4
 _SEQ_OFFSET = 48
 KEY_SIZE = 16
