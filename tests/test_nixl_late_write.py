@@ -44,10 +44,11 @@ def stopped(daemon):
 
 
 def transfers_served(addr: str) -> int:
-    """The daemon's NIXL WRITEs that ended (done, failed or timed out)."""
+    """The daemon's NIXL WRITEs that ended (done, failed or timed out), and its NIXL_GETs that ended with
+    nothing posted (their client had given them up)."""
     with BlockClient(addr) as client:
         nixl = client.stats()["nixl"]
-    return nixl["writes"] + nixl["failures"] + nixl["timeouts"]
+    return nixl["writes"] + nixl["failures"] + nixl["timeouts"] + nixl.get("gets_peer_gone", 0)
 
 
 def test_a_late_write_of_an_abandoned_get_never_reaches_the_next_user_of_its_buffer(daemon):

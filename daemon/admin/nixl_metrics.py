@@ -8,6 +8,8 @@ made the daemon create its agent.
 * NIXL_PUT      ``kvtier_nixl_put_blocks_total{path="in_place"|"copied"}``
 * GET           ``kvtier_nixl_blocks_from_device_memory_total``
 * the agent     ``kvtier_nixl_peers``, ``kvtier_nixl_registered_bytes``, ``kvtier_nixl_info{transport,ucx_tls}``
+* late WRITEs   ``kvtier_nixl_gets_peer_gone_total``, ``kvtier_nixl_writes_parked_total``,
+  ``kvtier_nixl_parked_writes``, ``kvtier_nixl_parked_bytes``
 """
 from __future__ import annotations
 
@@ -27,6 +29,13 @@ _SINGLE = (
      "Daemon buffers registered with NIXL now, devices and open-region images aside."),
     ("device_memory_bytes", "kvtier_nixl_fixed_bytes", GaugeMetricFamily,
      "Memory registered for the agent's life: memory-backed devices and the open-region images."),
+    ("gets_peer_gone", "kvtier_nixl_gets_peer_gone", CounterMetricFamily,
+     "NIXL_GETs ended unanswered, nothing more posted: their client had shut down its side."),
+    ("writes_parked", "kvtier_nixl_writes_parked", CounterMetricFamily,
+     "WRITEs given up on while in flight, held (not released) until NIXL ended them."),
+    ("parked_now", "kvtier_nixl_parked_writes", GaugeMetricFamily, "Parked WRITEs NIXL has not ended yet."),
+    ("parked_bytes", "kvtier_nixl_parked_bytes", GaugeMetricFamily,
+     "Source buffers parked WRITEs hold out of use now."),
 )
 
 

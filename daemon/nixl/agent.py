@@ -12,7 +12,11 @@ daemon holds them, within ``REGISTERED_BYTES_MAX``: beyond it the least recently
 used registration not in use is dropped. The cache holds a reference to each
 registered buffer, so memory NIXL knows of is never freed under it. Memory-backed
 devices are registered once, for the agent's life (:meth:`DaemonAgent.register_fixed`).
-A NIXL_GET's WRITEs are one :class:`Transfer`, posted part by part.
+A NIXL_GET's WRITEs are one :class:`Transfer`, posted part by part, none once the client has
+shut down its side of the connection (:class:`NixlPeerGone`). A NIXL release does not stop a
+transfer in flight, so a WRITE given up on while a part is still in flight is *parked* instead of
+released: its handles, registrations and source buffers are held until NIXL says every part ended
+(checked whenever a transfer is made or statistics are read), then released and given back.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -52,6 +57,11 @@ class NixlTransferNotReleased(NixlTransferError):
     """A transfer that failed or timed out and that NIXL could not release: a READ may still write
     into this daemon's memory, a WRITE may still send what that memory holds next into a client's.
     Neither may be used again: the caller fails closed."""
+
+
+class NixlPeerGone(RuntimeError):
+    """The client shut down its side of the connection (or closed it) before a part was posted: it gave the
+    request up, so nothing more is posted for it."""
 
 
 def load_nixl():
@@ -87,6 +97,9 @@ class AgentStatistics:
     bytes_read: int
     failures: int
     timeouts: int
+    writes_parked: int  # WRITEs given up on while in flight: held, not released, until NIXL ended them
+    parked_now: int  # of those, not ended yet: their source buffers stay out of use
+    parked_bytes: int  # the source buffers they hold (arenas, transient buffers)
 
 
 class DaemonAgent:
@@ -110,8 +123,11 @@ class DaemonAgent:
         self._registered: OrderedDict[tuple[int, int], tuple[object, object]] = OrderedDict()  # -> (buffer, descs)
         self._in_use: dict[tuple[int, int], int] = {}
         self._fixed: dict[tuple[int, int], tuple[object, object]] = {}  # registered for the agent's life
-        self._peers: dict[str, int] = {}  # remote agent -> sessions that loaded it
+        self._peers: dict[str, int] = {}  # remote agent -> sessions (and parked transfers) that hold it
+        self._parked: list[tuple[Transfer, Callable[[], None], int]] = []  # (transfer, give back its sources, bytes)
+        self._reaping = threading.Lock()  # one thread checks the parked transfers at a time
         self._writes = self._bytes_written = self._reads = self._bytes_read = self._failures = self._timeouts = 0
+        self._writes_parked = 0
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -192,10 +208,43 @@ class DaemonAgent:
             total -= key[1]
 
     # -- transfers ------------------------------------------------------------
-    def transfer(self, peer: str, request_id: int, op: str = "WRITE") -> "Transfer":
+    def transfer(self, peer: str, request_id: int, op: str = "WRITE", hold=None, peer_gone=None) -> "Transfer":
         """The WRITEs of one NIXL_GET to ``peer`` (or with ``op="READ"`` the READs of one NIXL_PUT
-        from it, not notified): posted part by part, then waited for."""
-        return Transfer(self, peer, request_id, op)
+        from it, not notified): posted part by part, then waited for. ``hold()``: take the transfer's
+        source buffers from their owner, returning ``(give_back, nbytes)``; given, a transfer left with
+        a part in flight is parked. ``peer_gone()``: whether the client gave the request up."""
+        self.reap_parked()
+        return Transfer(self, peer, request_id, op, hold, peer_gone)
+
+    def _park(self, transfer: "Transfer", give_back: Callable[[], None], nbytes: int) -> None:
+        with self._lock:
+            self._parked.append((transfer, give_back, nbytes))
+            self._peers[transfer.peer] = self._peers.get(transfer.peer, 0) + 1  # unloaded once it has ended
+            self._writes_parked += 1
+        log.warning("event=nixl_write_parked agent=%s request=%d bytes=%d", transfer.peer, transfer.request_id, nbytes)
+
+    def reap_parked(self) -> None:
+        """Release the parked transfers NIXL has ended (no part in flight) and give their sources back."""
+        if not self._parked or not self._reaping.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                parked = list(self._parked)
+            ended = [entry for entry in parked if not entry[0].leaked and not entry[0].in_flight()]
+            for transfer, give_back, nbytes in ended:
+                try:
+                    transfer.release()
+                except NixlTransferNotReleased:  # NIXL kept it: it stays parked, its sources never reused
+                    transfer.leaked = True
+                    continue
+                with self._lock:
+                    self._parked.remove((transfer, give_back, nbytes))
+                give_back()
+                self.remove_peer(transfer.peer)
+                log.info("event=nixl_write_unparked agent=%s request=%d bytes=%d", transfer.peer,
+                         transfer.request_id, nbytes)
+        finally:
+            self._reaping.release()
 
     def _count(self, op: str = "WRITE", transfers: int = 0, nbytes: int = 0, failures: int = 0,
                timeouts: int = 0) -> None:
@@ -210,11 +259,13 @@ class DaemonAgent:
             self._timeouts += timeouts
 
     def statistics(self) -> AgentStatistics:
+        self.reap_parked()
         with self._lock:
             return AgentStatistics(self.name, self.plan.name, self.plan.tls, len(self._peers), len(self._registered),
                                    sum(k[1] for k in self._registered), len(self._fixed),
                                    sum(k[1] for k in self._fixed), self._writes, self._bytes_written,
-                                   self._reads, self._bytes_read, self._failures, self._timeouts)
+                                   self._reads, self._bytes_read, self._failures, self._timeouts,
+                                   self._writes_parked, len(self._parked), sum(e[2] for e in self._parked))
 
 
 class Transfer:
@@ -222,15 +273,20 @@ class Transfer:
     peer when it is done (:func:`~kvtier.wire.nixl_frames.part_notification`); or the READs of one
     NIXL_PUT (``op="READ"``: ``local`` is where the bytes land, ``remote`` where they are read, and
     nothing is notified). Leaving the ``with`` block releases every handle, and the buffers
-    registered for it once none is still in flight."""
+    registered for it once none is still in flight; with ``hold``, one left with a part in flight
+    is parked instead (:meth:`DaemonAgent.reap_parked` releases it once NIXL has ended it)."""
 
-    def __init__(self, agent: DaemonAgent, peer: str, request_id: int, op: str = "WRITE"):
+    def __init__(self, agent: DaemonAgent, peer: str, request_id: int, op: str = "WRITE", hold=None,
+                 peer_gone=None):
         assert op in ("WRITE", "READ"), op
         self._owner, self._agent = agent, agent._agent
-        self._peer, self._request_id, self._op = peer, request_id, op
+        self.peer, self.request_id, self._op = peer, request_id, op
+        self._hold, self._peer_gone = hold, peer_gone
         self._handles: list = []
         self._keys: list = []
         self._bytes = 0
+        self._done = False  # every part posted was seen DONE
+        self.leaked = False  # parked, and NIXL refused to release it once it had ended: held for good
 
     def __enter__(self) -> "Transfer":
         return self
@@ -238,23 +294,29 @@ class Transfer:
     def post(self, parts: list, buffers=()) -> None:
         """WRITE each part's ``local[i] = (address, length)`` (inside ``buffers``, registered now
         and held until the transfer ends, or inside registered device memory) to the peer's
-        ``remote[i]``. NixlTransferError when NIXL refuses one."""
+        ``remote[i]``. NixlTransferError when NIXL refuses one; NixlPeerGone, and nothing more is
+        posted, once the client has given the request up."""
         assert all(part.local and len(part.local) == len(part.remote) for part in parts)
         self._keys += [self._owner._register(b) for b in buffers]
         try:
             for part in parts:
+                if self._peer_gone is not None and self._peer_gone():
+                    raise NixlPeerGone(f"{self.peer} shut down its side of the connection: request "
+                                       f"{self.request_id} is not written")
                 local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.local], "DRAM")
                 remote_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.remote], "DRAM")
-                notification = part_notification(self._request_id, part.ranges) if self._op == "WRITE" else b""
-                self._handles.append(self._agent.initialize_xfer(self._op, local_descs, remote_descs, self._peer,
+                notification = part_notification(self.request_id, part.ranges) if self._op == "WRITE" else b""
+                self._handles.append(self._agent.initialize_xfer(self._op, local_descs, remote_descs, self.peer,
                                                                  notification))
                 state = self._agent.transfer(self._handles[-1])
                 if state not in ("PROC", "DONE"):
                     raise RuntimeError(f"state {state}")
                 self._bytes += part.nbytes
+        except NixlPeerGone:
+            raise
         except Exception as exc:
             self._owner._count(failures=1)
-            raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} could not be posted: "
+            raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} could not be posted: "
                                     f"{type(exc).__name__}: {exc}") from None
 
     @property
@@ -271,33 +333,53 @@ class Transfer:
                 states = [self._agent.check_xfer_state(h) for h in pending]
             except Exception as exc:  # NIXL's own errors (a peer gone): this transfer failed, the daemon serves on
                 self._owner._count(failures=1)
-                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} failed: "
+                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} failed: "
                                         f"{type(exc).__name__}: {exc}") from None
             if any(state not in ("PROC", "DONE") for state in states):
                 self._owner._count(failures=1)
-                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} failed "
+                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} failed "
                                         f"(states {sorted(set(states))})")
             pending = [h for h, state in zip(pending, states) if state == "PROC"]
             if pending:
                 if time.monotonic() > deadline:
                     self._owner._count(timeouts=1)
-                    raise NixlTransferError(f"NIXL {self._op} {self._direction} {self._peer} not done within "
+                    raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} not done within "
                                             f"{self._owner._timeout_s} s (TRANSFER_TIMEOUT_S)", timed_out=True)
                 os.sched_yield()  # a busy machine: let the peer (and its progress) run between polls
+        self._done = True
         if self._handles:
             self._owner._count(self._op, transfers=1, nbytes=self._bytes)
 
+    def in_flight(self) -> bool:
+        """Whether a part posted may still move (NIXL says PROC); one NIXL cannot tell about has ended."""
+        if self._done:
+            return False
+        for handle in self._handles:
+            try:
+                if self._agent.check_xfer_state(handle) == "PROC":
+                    return True
+            except Exception:  # a failed part: it moves no more
+                continue
+        return False
+
     def __exit__(self, *exc_info) -> None:
+        if self._hold is not None and self.in_flight():  # a release would not stop it: hold what it reads
+            self._owner._park(self, *self._hold())
+            return
+        self.release()
+
+    def release(self) -> None:
+        """Release every handle, then the registrations (NixlTransferNotReleased: NIXL kept one)."""
         released = True
         for handle in self._handles:
             try:
                 handle.release()
             except Exception as exc:  # still in flight and not cancellable: NIXL keeps it as leaked
-                log.warning("event=nixl_release_failed agent=%s error=%s", self._peer, exc)
+                log.warning("event=nixl_release_failed agent=%s error=%s", self.peer, exc)
                 released = False
         if released:
             self._owner._release(self._keys)
         else:  # its buffers stay registered (in use) for good
             raise NixlTransferNotReleased(
-                f"a NIXL {self._op} {self._direction} {self._peer} (request {self._request_id}) could not be "
+                f"a NIXL {self._op} {self._direction} {self.peer} (request {self.request_id}) could not be "
                 f"released: it may still {'write into' if self._op == 'READ' else 'read'} the memory it was given")

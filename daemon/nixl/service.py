@@ -10,7 +10,10 @@ notification; the reply says per item how many bytes were written there. Every
 descriptor is checked against the connection's regions, against the others, and
 against its block's length before anything is posted: a refused request writes
 nothing and the connection serves on. Only the agent this connection loaded is
-written to.
+written to. Nothing is posted for a client that has shut down its side of the connection (it gave
+the request up): what was posted is waited for, and the request ends without a reply. A WRITE given
+up on while still in flight keeps the request's buffer out of use until NIXL has ended it
+(:meth:`~kvtier.daemon.nixl.agent.DaemonAgent.reap_parked`): NIXL may still read it.
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from kvtier.daemon.nixl.agent import (DaemonAgent, NixlTransferError, NixlTransferNotReleased, NixlUnavailable,
-                                      buffer_address)
+from kvtier.daemon.nixl.agent import (DaemonAgent, NixlPeerGone, NixlTransferError, NixlTransferNotReleased,
+                                      NixlUnavailable, buffer_address)
 from kvtier.daemon.nixl.descriptors import ClientRegions, DescriptorError, check_descriptors, check_fits
 from kvtier.wire import connection as p
 from kvtier.wire import events as m
@@ -57,7 +60,9 @@ class NixlService:
         self._memory_registered: bool | None = None  # the devices' memory registered (None: not tried yet)
         self._put_parts = None
         self._puts: NixlPuts | None = None  # made on the first NIXL_PUT
+        self._buffers = None  # the request buffers a parked WRITE's sources go back to
         self._blocks_from_memory = 0
+        self._gets_peer_gone = 0  # NIXL_GETs whose client gave them up before everything was posted
         self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvtier-nixl-read")
 
     @property
@@ -86,15 +91,17 @@ class NixlService:
         with self._lock:
             puts = {} if self._puts is None else {"put_blocks_in_place": self._puts.in_place,
                                                   "put_blocks_copied": self._puts.copied}
-            return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory, **puts}
+            return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory,
+                    "gets_peer_gone": self._gets_peer_gone, **puts}
 
     def bind(self, gets, stats, engine=None, buffers=None, limits: p.Limits | None = None) -> None:
         """The data server's GET replies, statistics recorder, engine, request buffers and limits
         (RequestHandler.attach_nixl); NIXL_PUT is answered once all are given."""
-        self._gets, self._stats, self._engine = gets, stats, engine
+        self._gets, self._stats, self._engine, self._buffers = gets, stats, engine, buffers
         self._put_parts = None if engine is None or buffers is None or limits is None else (engine, buffers, limits)
 
     def handle(self, msg, session):
+        """The reply to a NIXL request; None for a NIXL_GET its client gave up (it ends without one)."""
         if isinstance(msg, m.NixlMetadata):
             return self._metadata(msg, session)
         if isinstance(msg, m.NixlPut):
@@ -175,10 +182,16 @@ class NixlService:
         to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], _destination(msg, i))
                      for i, block in enumerate(in_memory) if block is not None]
         lengths = [0 if block is None else block.length for block in in_memory]
+        hold = None if self._buffers is None else lambda: self._hold_sources(session)
+        gone = None
         try:
-            with self._agent.transfer(peer.agent_name, msg.request_id) as transfer:
+            with self._agent.transfer(peer.agent_name, msg.request_id, hold=hold,
+                                      peer_gone=session.peer_gone) as transfer:
                 try:
-                    self._write(msg, session, transfer, lengths, copied, to_memory)
+                    try:
+                        self._write(msg, session, transfer, lengths, copied, to_memory)
+                    except NixlPeerGone as exc:  # what was posted still moves: waited for, then no reply
+                        gone = exc
                     transfer.wait()
                 except DescriptorError as exc:
                     refusal = self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
@@ -195,11 +208,35 @@ class NixlService:
             return self._refuse(msg, p.ErrorCode.INTERNAL, str(exc))
         if refusal is not None:
             return refusal
+        if gone is not None:
+            with self._lock:
+                self._gets_peer_gone += 1
+            log.info("event=nixl_get_abandoned peer=%s agent=%s request=%d: %s", session.peer, peer.agent_name,
+                     msg.request_id, gone)
+            return None
         if to_memory:
             self._stats.namespace(msg.ns_id, len(to_memory), 0)
             with self._lock:
                 self._blocks_from_memory += len(to_memory)
         return m.NixlGetReply(msg.request_id, tuple(lengths))
+
+    def _hold_sources(self, session):
+        """Take the request's buffers (its arena, its transient buffers and their room) from the session, for a
+        WRITE parked with them: ``(give back, bytes held)``."""
+        arena, session.get_arena = session.get_arena, None
+        transient, session.transient_buffers = session.transient_buffers, []
+        room, session.transient_bytes = session.transient_bytes, 0
+        arenas = self._buffers.arenas
+
+        def give_back() -> None:
+            if arena is not None:
+                arenas.release(arena)
+            for buffer in transient:
+                arenas.give_transient_buffer(buffer)
+            if room:
+                arenas.release_transient(room)
+
+        return give_back, (0 if arena is None else arena.nbytes) + sum(b.nbytes for b in transient)
 
     def _write(self, msg: m.NixlGet, session, transfer, lengths: list[int], copied: list[int],
                to_memory: list) -> None:

@@ -64,7 +64,7 @@ class ConnectionLoop:
     def serve(self, sock: socket.socket, peer: str) -> None:
         """Serve one connection until it closes, fails or the server stops; then close it."""
         conn = p.Connection(p.Role.SERVER, self._limits, hello_first=True)
-        session = Session(peer)
+        session = Session(peer, peer_gone=lambda: peer_shut_down(sock))
         log.debug("event=connection_open peer=%s", peer)
         try:
             self._serve_requests(sock, conn, session, time.monotonic() + self._hello_timeout_s)
@@ -183,6 +183,9 @@ class ConnectionLoop:
             if stall_bounded:
                 sock.settimeout(self._frame_timeout_s)
                 stall_bounded = False
+            if reply is None:  # the peer gave the request up (shut down its side): it ends without a reply
+                log.info("event=request_abandoned_by_peer peer=%s op=%s", session.peer, type(event).__name__)
+                return
             try:
                 sent = sendmsg_all(sock, conn.send_parts(reply))
             finally:
@@ -218,6 +221,14 @@ class ConnectionLoop:
         if not ready:
             raise socket.timeout(f"idle for {timeout_s} s") if before_hello else _IdleTimeout()
         return self._stop.fd not in ready and not self._stop.is_set()
+
+
+def peer_shut_down(sock: socket.socket) -> bool:
+    """Whether the peer has shut down its side of ``sock`` (a FIN, even behind bytes not read yet) or the
+    connection is gone (reset, closed), without blocking."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
+    return bool(poller.poll(0))
 
 
 class _ReservationStalled(Exception):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -18,5 +18,6 @@ class Session:
     transient_bytes: int = 0  # this request's buffers outside the arenas (within the daemon-wide budget)
     transient_buffers: list = field(default_factory=list)  # the buffers lent for that room (GET replies)
     nixl: Any = None  # this connection's NIXL peer (kvtier.daemon.nixl.service.NixlPeer), set by NIXL_METADATA
+    peer_gone: Callable[[], bool] | None = None  # whether the peer has shut down its side or closed (no blocking)
     put_reservation: Any = None  # the engine's Reservation this request's PUT payload is received into
     # (committed by the handler; aborted by the connection if the request ends any other way)
