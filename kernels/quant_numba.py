@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - numba is optional
 AVAILABLE = numba is not None
 KIND_CODES = {"int8": 0, "fp8": 1, "int4": 2}
 QMAX = np.array([127.0, 448.0, 7.0], np.float32)
+Q_STORED_MAX = np.array([128.0, 448.0, 8.0], np.float32)  # the largest |q| a payload's bytes can hold (-128, -8)
 NONFINITE = -1  # kernel result: the input has NaN or infinite values
 F16, BF16, F32 = 0, 1, 2  # element codes of the input (encode) and output (decode)
 OUT_MAX = np.array([np.finfo(np.float16).max, ml_dtypes.finfo(ml_dtypes.bfloat16).max, np.finfo(np.float32).max],
@@ -306,6 +307,7 @@ def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
     b_total = rows // t_total
     ng = (t_total + g - 1) // g
     fmax = OUT_MAX[out_code]
+    qmax = Q_STORED_MAX[kind]
     ss = np.empty(d_total, np.float32)
     ys = np.empty(d_total, np.float32)  # one token row (stays in L1)
     qi = q.view(np.int8)
@@ -318,6 +320,9 @@ def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
             else:
                 for d in range(d_total):
                     ss[d] = s32[sr, d]
+            clamp = False  # |q| <= qmax, fp32 rounding is monotonic: only a scale with qmax * s past fmax
+            for d in range(d_total):  # can decode past the finite range (a channel at the top of it)
+                clamp = clamp or qmax * ss[d] > fmax
             t0 = r * t_total + gi * g
             t1 = r * t_total + min(t_total, (gi + 1) * g)
             for t in range(t0, t1):
@@ -332,10 +337,11 @@ def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
                         byte = np.int32(qi[t, p])
                         ys[2 * p] = np.float32(np.int32(U(byte) << U(28)) >> 28) * ss[2 * p]  # low nibble
                         ys[2 * p + 1] = np.float32(byte >> 4) * ss[2 * p + 1]
-                for d in range(d_total):  # clamp to the finite range (NaN passes, as np.clip)
-                    y = ys[d]
-                    y = fmax if y > fmax else y
-                    ys[d] = -fmax if y < -fmax else y
+                if clamp:
+                    for d in range(d_total):  # clamp to the finite range (NaN passes, as np.clip)
+                        y = ys[d]
+                        y = fmax if y > fmax else y
+                        ys[d] = -fmax if y < -fmax else y
                 if out_code == F16:
                     for d in range(d_total):
                         out16[t, d] = f32_to_f16(ys[d])

@@ -41,6 +41,7 @@ from .hostcast import narrow, widen
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 SCALE_F32_MIN = np.float32(np.finfo(np.float32).tiny)  # 2**-126: 1 / scale stays finite (2**126)
+Q_STORED_MAX = {"int8": 128.0, "fp8": 448.0, "int4": 8.0}  # the largest |q| a payload's bytes can hold
 CHUNK_ELEMENTS = 1 << 16  # per pass: the fp32 scratch (256 KiB) stays in a 512 KiB L2
 
 
@@ -209,6 +210,9 @@ def dequantize_into(q: np.ndarray, kind: QuantKind, g: int, scales: np.ndarray, 
     b_total, t, d = out.shape
     s32 = _to_f32(scales)
     fmax = finite_max(out.dtype)
+    # |q| <= the largest a payload can hold (128, 448, 8) and rounding is monotonic: only a scale with
+    # that times the scale past fmax can decode past it
+    clamp = bool((np.float32(Q_STORED_MAX[kind.name]) * np.abs(s32) > fmax).any())
     buf = _scratch(b_total, t, d, g, FP32)
     for rs, ts, gs in _chunks(b_total, t, d, g):
         qc = q[rs, ts]
@@ -225,7 +229,8 @@ def dequantize_into(q: np.ndarray, kind: QuantKind, g: int, scales: np.ndarray, 
         sc = s32[rs, gs]
         for view, vgs in _group_views(xf, g):
             np.multiply(view, sc[:, vgs, None, :], out=view)
-        np.clip(xf, -fmax, fmax, out=xf)
+        if clamp:
+            np.clip(xf, -fmax, fmax, out=xf)
         narrow(xf, out[rs, ts])
 
 

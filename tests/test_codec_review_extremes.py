@@ -129,3 +129,29 @@ def test_cuda_sources_clamp_decoded_values_and_floor_fp32_scales():
     for dt in ("f16", "bf16", "f32"):
         assert f"store_{dt}(out, idx, clamp_{dt}(" in src
         assert f"store_{dt}(out, 2 * idx, clamp_{dt}(" in src
+
+
+@pytest.mark.parametrize("fused", _backends())
+@pytest.mark.parametrize("name,code,value", [("int8", 0x80, -128), ("int4", 0x88, -8)])
+def test_the_most_negative_stored_value_decodes_finite(name, code, value, fused):
+    """A payload's bytes can hold -128 (int8) or -8 (int4), one step past QMAX: with a channel's scale
+    at the top of fp16's range, that step would be past 65504 (a block written by another encoder)."""
+    qmax = {"int8": 127.0, "int4": 7.0}[name]
+    x = np.ones((1, 8, 8), np.float32)
+    x[0, :, 0] = 512.0 * qmax if name == "int8" else 8192.0 * qmax  # scale 512 (int8) / 8192 (int4), exact in fp16
+    x = x.astype(FP16)
+    codec = get_codec(name, group_tokens=4)
+    data = bytearray(codec.encode(x))
+    scales, q = codec.parse(data).views(data)
+    assert float(np.asarray(scales, np.float64)[0, 0, 0]) * (qmax + 1) > float(np.finfo(FP16).max)
+    q.view(np.uint8).reshape(-1)[0] = code  # channel 0 of token 0 (and, for int4, channel 1)
+    out = np.empty_like(x)
+    HOST_BACKEND.fused = fused
+    try:
+        codec.decode(bytes(data), out)
+    finally:
+        from kvtier.kernels import quant_numba
+
+        HOST_BACKEND.fused = quant_numba.AVAILABLE
+    assert np.isfinite(out.astype(np.float64)).all(), out[0, 0, :2]
+    assert float(out[0, 0, 0]) == -float(np.finfo(FP16).max)
