@@ -3,6 +3,7 @@
     d = start_kvtierd(tmp_path, "--region-size", "4m")
     d.data_addr    # "127.0.0.1:PORT"
     d.stop()       # SIGTERM, waits, checks exit 0 ; d.kill() is SIGKILL ; d.restart()
+    with d.stopped():  # SIGSTOP for the block, SIGCONT after (or by a timer: resume_after_s=)
 
 Small, fast devices by default: 4 files of 64 MiB, 4 MiB regions, 256 KiB
 stripes, data port and admin port chosen by the kernel (``--admin none``
@@ -16,7 +17,9 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 READY_TIMEOUT_S = 60.0  # first start formats 4 device files; CI machines are slow
@@ -90,6 +93,23 @@ class KvtierdProcess:
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
+
+    @contextmanager
+    def stopped(self, resume_after_s: float | None = None):
+        """The process stopped (SIGSTOP) for the body and continued (SIGCONT) at its end, or, with
+        ``resume_after_s``, by a timer that long after (the body may still be waiting then); the
+        block ends once it has been continued."""
+        self.signal(signal.SIGSTOP)
+        timer = None if resume_after_s is None else threading.Timer(resume_after_s, self.signal, (signal.SIGCONT,))
+        if timer is not None:
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is None:
+                self.signal(signal.SIGCONT)
+            else:
+                timer.join()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM and wait; returns the exit code."""

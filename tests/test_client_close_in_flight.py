@@ -4,10 +4,8 @@ kvtierd, held with SIGSTOP so the request stays in flight while the client close
 from __future__ import annotations
 
 import asyncio
-import signal
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -29,22 +27,13 @@ def wait_until(condition, what: str) -> None:
         threading.Event().wait(POLL_S)
 
 
-@contextmanager
-def stopped(daemon):
-    """The daemon process stopped (SIGSTOP) for the body: requests sent meanwhile wait for their reply."""
-    daemon.signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        daemon.signal(signal.SIGCONT)
-
 
 def test_a_connection_whose_request_ends_after_close_is_closed_not_pooled(kvtierd):
     client = BlockClient(kvtierd.data_addr, pool_size=1)
     client.ping()
     (ch,) = list(client._pool.queue)
     answered: list[float] = []
-    with stopped(kvtierd):
+    with kvtierd.stopped():
         request = threading.Thread(target=lambda: answered.append(client.ping()))
         request.start()
         wait_until(client._pool.empty, "the request takes the pooled connection")
@@ -61,7 +50,7 @@ def test_an_async_connection_whose_request_ends_after_close_is_closed_not_pooled
         client = AsyncBlockClient(kvtierd.data_addr, pool_size=1)
         await client.ping()
         (ch,) = client._pool
-        with stopped(kvtierd):
+        with kvtierd.stopped():
             request = asyncio.create_task(client.ping())
             while client._pool:
                 await asyncio.sleep(0)  # the request takes the pooled connection at its first step
@@ -108,7 +97,7 @@ def test_a_member_that_leaves_while_its_probe_opens_it_is_not_kept_open(kvtierd)
     try:
         with pool.batch() as batch:
             assert batch.daemons == (None,)  # could not be opened at the sync
-            with stopped(kvtierd):
+            with kvtierd.stopped():
                 refused[0] = False
                 with pytest.raises(p.ConnectionLost):
                     batch.call(0, lambda d: d.client.ping())  # the member backs off: the probe opens it

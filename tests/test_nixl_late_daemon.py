@@ -9,7 +9,6 @@ progresses).
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
@@ -67,14 +66,9 @@ def test_a_get_read_after_its_client_shut_down_its_side_writes_nothing(daemon):
         del got
         region[:] = bytes(SCATTER_PAYLOAD_BYTES)
         before = _nixl_stats(daemon.data_addr)
-        daemon.signal(signal.SIGSTOP)
-        resume = threading.Timer(RESUME_AFTER_S, daemon.signal, (signal.SIGCONT,))
-        resume.start()
-        try:  # the client gives up, shuts down its side and waits for the daemon to end the request
-            with pytest.raises(p.ConnectionLost, match="no reply"):
-                transport.get_many(keys, lengths, seqs, NS, landing=_landing(region))
-        finally:
-            resume.join()
+        # the client gives up, shuts down its side and waits for the daemon to end the request
+        with daemon.stopped(resume_after_s=RESUME_AFTER_S), pytest.raises(p.ConnectionLost, match="no reply"):
+            transport.get_many(keys, lengths, seqs, NS, landing=_landing(region))
         written = len(region) - region.count(0)
         assert written == 0, f"the daemon wrote {written} bytes for a client that had given up"
         after = _nixl_stats(daemon.data_addr)

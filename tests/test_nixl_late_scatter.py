@@ -11,7 +11,6 @@ over shared memory and over TCP.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
@@ -77,14 +76,8 @@ def test_a_late_write_of_an_abandoned_scatter_get_never_reaches_the_callers_memo
         del got
         region[:] = bytes(PAYLOAD_BYTES)
         served = transfers_served(daemon.data_addr)
-        daemon.signal(signal.SIGSTOP)
-        resume = threading.Timer(RESUME_AFTER_S, daemon.signal, (signal.SIGCONT,))
-        resume.start()
-        try:
-            with pytest.raises(p.ConnectionLost, match="no reply"):
-                transport.get_many(keys, lengths, seqs, NS, landing=_landing(region))
-        finally:
-            resume.join()
+        with daemon.stopped(resume_after_s=RESUME_AFTER_S), pytest.raises(p.ConnectionLost, match="no reply"):
+            transport.get_many(keys, lengths, seqs, NS, landing=_landing(region))
         region[:] = bytes([PATTERN]) * PAYLOAD_BYTES  # the load failed: the caller recomputes into its memory
         _wait_served(daemon, transport, served)
         assert region == bytes([PATTERN]) * PAYLOAD_BYTES, "a late WRITE landed in the caller's memory"
@@ -108,14 +101,11 @@ def test_a_daemon_that_stays_stopped_past_the_settle_bound_is_counted_and_the_lo
         lent.__enter__()
         transport.get_many(keys, lengths, seqs, NS, landing=_landing(region))
         served = transfers_served(daemon.data_addr)
-        daemon.signal(signal.SIGSTOP)
-        try:
+        with daemon.stopped():
             started = time.monotonic()
             with pytest.raises(p.ConnectionLost, match="no reply"):
                 transport.get_many(keys, lengths, seqs, NS, landing=_landing(region))
             assert time.monotonic() - started < CLIENT_TIMEOUT_S + 0.5 + WAIT_S_MAX / 3
-        finally:
-            daemon.signal(signal.SIGCONT)
         stats = transport.statistics()
         assert stats.scatters_unsettled == 1 and stats.scatters_settled == 0
         _wait_served(daemon, transport, served)  # the abandoned request ends before the next test's

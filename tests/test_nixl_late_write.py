@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -34,14 +32,6 @@ def daemon(tmp_path_factory):
     assert d.stop() == 0, d.log_tail()
 
 
-@contextmanager
-def stopped(daemon):
-    daemon.signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        daemon.signal(signal.SIGCONT)
-
 
 def transfers_served(addr: str) -> int:
     """The daemon's NIXL WRITEs that ended (done, failed or timed out), and its NIXL_GETs that ended with
@@ -60,7 +50,7 @@ def test_a_late_write_of_an_abandoned_get_never_reaches_the_next_user_of_its_buf
         assert bytes(got[0])[64:] == blocks[0][64:]
         del got
         served = transfers_served(daemon.data_addr)
-        with stopped(daemon):
+        with daemon.stopped():
             with pytest.raises(p.ConnectionLost, match="no reply"):
                 transport.get_many(keys, lengths, seqs, NS)
             gc.collect()  # no view of the abandoned request's buffer is left anywhere
