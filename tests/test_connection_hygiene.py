@@ -1,4 +1,5 @@
 """Connection hygiene: a per-peer connection limit and an idle timeout for authenticated connections."""
+import itertools
 import socket
 import time
 
@@ -59,6 +60,22 @@ def test_one_peer_cannot_take_every_connection(daemon):
     finally:
         for s in held:
             s.close()
+        wait_connections_closed(daemon)  # the daemon lets them go on its own threads: later tests need the room
+
+
+def wait_connections_closed(daemon, timeout_s: float = 30.0) -> None:
+    """Until the daemon counts no open connection but the one asking (from 127.0.0.2: it takes no
+    room from 127.0.0.1's per-peer quota)."""
+    deadline = time.monotonic() + timeout_s
+    with connect(daemon, source_ip="127.0.0.2") as s:
+        conn = p.Connection(p.Role.CLIENT, check_replies=False)
+        for request_id in itertools.count(2):
+            s.sendall(conn.send(p.Stats(request_id)))
+            (reply,) = replies(s)
+            if reply.stats["server"]["open_connections"] <= 1:
+                return
+            assert time.monotonic() < deadline, reply.stats["server"]
+            time.sleep(0.05)
 
 
 def test_an_idle_authenticated_connection_is_closed_naming_the_timeout(daemon):
