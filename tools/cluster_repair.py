@@ -8,8 +8,9 @@ A pass lists every member's keys (admin API ``GET /v1/keys``) and the keys it de
 (``GET /v1/keys/deleted``), plans which owners lack which keys (:mod:`.cluster_repair_plan`)
 and copies them: GET from a member that holds the block (verified as every read is), PUT
 (buffered) to the owner that lacks it, at most ``rate`` bytes a second and ``batch`` blocks a
-request. A key one of its owners deleted is deleted where it is still held, never copied. Without ``--once`` it runs a pass at
-start, at every membership change (a join, a rejoin, a leave) and every ``interval``.
+request. A key one of its owners deleted is deleted where it is still held, never copied.
+Without ``--once`` it runs a pass at start, at every membership change (a join, a rejoin, a
+leave) and every ``interval``.
 
 It runs as its own process (next to etcd, or as a sidecar of any one node): a daemon never
 imports the client, and an engine should not spend its CPU listing other nodes' keys. Each
