@@ -49,6 +49,12 @@ def test_an_admin_address_that_is_not_an_http_server_names_the_address(daemon):
     _assert_one_line_error(result, EXIT_FAILED, daemon.data_addr)
 
 
+def test_a_token_and_a_token_file_together_are_refused(daemon, tmp_path):
+    (tmp_path / "token").write_text(TOKEN)
+    result = _kvtier("--admin", daemon.admin_addr, "--token", "other", "--token-file", str(tmp_path / "token"), "status")
+    _assert_one_line_error(result, EXIT_USAGE, "not allowed with argument --token")
+
+
 @pytest.mark.parametrize("command", ["format", "fsck"])
 @pytest.mark.parametrize("flags, fragment", [(["--region-size", "3k"], "region_size"),
                                              (["--device-size", "1000"], "device_size"),

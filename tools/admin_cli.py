@@ -383,8 +383,9 @@ def _add_store(sp) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier", description="Operate a kvtierd storage node.")
     ap.add_argument("--admin", metavar="HOST:PORT", help=f"admin API address (default {DEFAULT_ADMIN_ADDRESS})")
-    ap.add_argument("--token", help="admin token (prefer --token-file or $KVTIER_TOKEN_FILE)")
-    ap.add_argument("--token-file", help="file holding the admin token")
+    token = ap.add_mutually_exclusive_group()  # one token, named once: never a silent choice between two
+    token.add_argument("--token", help="admin token (prefer --token-file or $KVTIER_TOKEN_FILE)")
+    token.add_argument("--token-file", help="file holding the admin token")
     ap.add_argument("--config", help=f"kvtierd config file (default {DEFAULT_CONFIG_PATH} when readable)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
