@@ -13,6 +13,10 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENGINES_DIR="${KVTIER_ENGINES_DIR:-$ROOT/../shared/engines}"
+origin="$(git -C "$ROOT" config --get remote.origin.url 2>/dev/null || true)"
+if [ ! -d "$ENGINES_DIR" ] && [ -n "$origin" ] && [ -d "$origin/../shared/engines" ]; then
+    ENGINES_DIR="$origin/../shared/engines"  # a clone elsewhere (mktemp -d) of a checkout next to shared/
+fi
 PYTHON="${PYTHON:-python3}"
 # Where the venvs live: the checkout by default; CI points this at a lasting folder so that
 # a fresh clone does not rebuild 8 GB of frameworks every run.
