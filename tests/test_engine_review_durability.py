@@ -141,3 +141,48 @@ def test_a_delete_acknowledged_by_the_commit_after_a_failed_one_is_durable():
     assert restarted.lookup([key(1)]) == 0, "an acknowledged DELETE was lost: the deleted block came back"
     assert present(restarted, range(5)) == [0, 2, 3, 4]
     restarted.close()
+
+
+def test_a_durable_put_answered_while_a_spanning_batch_waits_survives_that_batch_failing():
+    """A batch spanning regions indexes what it placed before the crossing, then lets go of the
+    lock; a durable PUT of one of those keys is answered from it then. The batch failing later
+    (no space) must not take that block out of the index: the other client was told it is durable.
+    What the batch placed after a crossing it made goes, as a failed request's blocks do."""
+    engine, cfg, devs = full_of_pins()
+    answered = []
+    while_waiting_for_a_clean_region(
+        engine, lambda: answered.append(engine.put(block(14, PAYLOAD_5_PER_REGION), durable=True)))
+    with pytest.raises(NoSpaceError):
+        engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in range(14, 20)])
+    assert answered and engine.failure is None
+    assert same_block(engine.get(key(14)), block(14, PAYLOAD_5_PER_REGION))
+    assert present(engine, range(15, 20)) == []
+    restarted = Engine.open(cfg, devices=devs)  # killed: never closed
+    assert same_block(restarted.get(key(14)), block(14, PAYLOAD_5_PER_REGION))
+    restarted.close()
+
+
+def test_a_batch_that_fails_after_crossing_into_a_new_region_leaves_nothing_of_it_there():
+    """A batch that filled one region and went on in the next fails there (a device error);
+    what it placed in the new region is neither indexed nor found by a restart, and what it
+    placed before the crossing (sealed, seen by others while the lock was let go) stays."""
+    engine, cfg, devs = mem_engine(regions=6)
+    fill(engine, range(4))  # the open region has room for one more block
+    take, taken = engine._seqs.take, []
+
+    def take_or_fail():
+        taken.append(True)
+        if len(taken) == 3:  # block 12, the second in the new region
+            raise DeviceError("injected: a write failed")
+        return take()
+
+    engine._seqs.take = take_or_fail
+    with pytest.raises(DeviceError):  # block 3 is present: no reservation, the copying path
+        engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in (3, 10, 11, 12, 13)])
+    engine._seqs.take = take
+    assert engine.failure is None
+    assert present(engine, range(10, 14)) == [10]
+    engine.flush()
+    restarted = Engine.open(cfg, devices=devs)
+    assert present(restarted, range(10, 14)) == [10]
+    restarted.close()

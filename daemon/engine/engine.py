@@ -84,16 +84,14 @@ class Engine:
         try:
             format_store(cfg, devs, force, force_hint)
         finally:
-            if owned:
-                for device in devs:
-                    device.close()
+            for device in devs if owned else ():
+                device.close()
 
     @classmethod
     def open(cls, cfg: EngineConfig, create_if_missing: bool = False,
              devices: Sequence[Device] | None = None) -> "Engine":
-        """Validate the superblocks, recover the index. ``create_if_missing``
-        formats only when no device holds a store yet. ``devices`` replaces the
-        files of ``cfg.device_paths`` (memory or fault-injecting devices in tests)."""
+        """Validate the superblocks, recover the index. ``create_if_missing`` formats only when no device
+        holds a store yet. ``devices`` replaces the files of ``cfg.device_paths`` (memory or faulty devices: tests)."""
         devs = open_devices(cfg, create=create_if_missing) if devices is None else list(devices)
         if devices is not None and len(devs) != len(cfg.device_paths):
             raise GeometryError(f"{len(devs)} devices given for {len(cfg.device_paths)} configured paths")
@@ -170,8 +168,8 @@ class Engine:
         return self.put_many([block], durable)[0]
 
     def put_many(self, blocks: Iterable, durable: bool = False) -> list[int]:
-        """Store blocks; with ``durable`` they are on flash and synced on return.
-        All blocks are validated before any is stored."""
+        """Store blocks; with ``durable`` they are on flash and synced on return. All are validated before any is
+        stored. A batch failing after it crossed into a new region keeps what it placed before (:mod:`.take_back`)."""
         views, headers = [], []
         for i, block in enumerate(blocks):
             view = memoryview(block).cast("B")
@@ -194,7 +192,8 @@ class Engine:
             self._check_open()
             allocator.wait_unreserved()
             slots = self._index.find_many(k0s, k1s).tolist()
-            on_error.enter_context(self._put_or_nothing(k0s, k1s, slots))  # a batch that fails is taken back
+            kept = np.zeros(len(views), bool)  # placed before a crossing into a new region: not taken back
+            taking_back = on_error.enter_context(self._put_or_nothing(k0s, k1s, slots, kept))
             k0l, k1l = k0s.tolist(), k1s.tolist()
             pending: list[tuple] = []  # index inserts, done in one vectorized batch per region
             placed: list[tuple] = []  # (k0, k1, addr, seq) of the blocks appended, for a durable batch
@@ -210,8 +209,10 @@ class Engine:
                     if pending:  # sealed: a commit in ensure_room's wait (no lock) may sync them past a take-back
                         allocator.seal(wait=False)
                     self._blocks.insert_appended(pending)
+                    kept[list(first_of.values())] = True
                     first_of.clear()
                     allocator.ensure_room(view.nbytes)
+                    taking_back.remark()
                     # a reclaim may have evicted or moved blocks and rehashed the index: find the rest again
                     slots[i:] = self._index.find_many(k0s[i:], k1s[i:]).tolist()
                     if slots[i] >= 0:
@@ -271,9 +272,10 @@ class Engine:
                         self.fail(f"the blocks of a failed durable commit could not be tombstoned ({exc})")
             raise
 
-    def _put_or_nothing(self, k0s: np.ndarray, k1s: np.ndarray, slots: list[int]):
-        """Taking back a PUT batch that raises (take_back): its blocks leave the index and the open image."""
-        undo = forget_new_keys(self._blocks, k0s, k1s, slots)
+    def _put_or_nothing(self, k0s: np.ndarray, k1s: np.ndarray, slots: list[int], kept: np.ndarray):
+        """Taking back a PUT batch that raises (take_back): its blocks leave the index and the open
+        image, but for those ``kept`` (placed before it crossed into a new region)."""
+        undo = forget_new_keys(self._blocks, k0s, k1s, slots, kept)
         return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.write_and_sync,
                                   undo)
 
@@ -519,8 +521,7 @@ class Engine:
             return None
         return {"present": True, "size_bytes": length, "codec_id": header.codec_id, "ns_id": header.ns_id.hex(),
                 "region": region, "seq": seq, "pinned": pinned or soft_pinned, "soft_pinned": soft_pinned,
-                "region_last_access": last_access,
-                "sealed": on_flash}
+                "region_last_access": last_access, "sealed": on_flash}
 
     def flush(self) -> None:
         """Make every block and record stored so far durable: the open region's filled part is
@@ -594,7 +595,6 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._failure is not None:
-            raise EngineFailedError(f"the engine failed closed ({self._failure}); kvtierd restarts and recovers "
-                                    f"from flash")
+            raise EngineFailedError(f"the engine failed closed ({self._failure}); a restart recovers from flash")
         if self._closed:
             raise EngineError("engine is closed")

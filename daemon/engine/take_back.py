@@ -10,9 +10,11 @@ pages once more so that what a failed write may have left on flash is covered to
 changes are the caller's: they come after the appends succeeded, or are undone by the
 ``undo`` callback.
 
-What cannot be taken back: appends to a region that was sealed while the request ran (a
-batch that spans regions). Their caller undoes them in memory; a restart before that
-region is reclaimed may bring them back.
+What is not taken back: what a PUT batch that spans regions placed before it crossed into
+a new region. That part is sealed, and indexed before the lock was let go to wait for
+room, so other clients may have seen it: a LOOKUP that skipped its own store, a durable
+PUT of the same key answered from it. A failure after the crossing takes back only what
+was placed since (:meth:`appends_or_nothing.remark`).
 
 A durable PUT whose group commit fails (:func:`take_back_failed_commit`) cannot be zeroed
 either: the commit ran without the lock, other writers' blocks may share its pages and follow
@@ -63,7 +65,17 @@ class appends_or_nothing:  # noqa: N801 (used as a context manager, like context
         self._image = allocator.open if allocator.active else None
         self._mark = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "appends_or_nothing":
+        self._take_mark()
+        return self
+
+    def remark(self) -> None:
+        """The request crossed into a new open region: what it appended before stays, a failure
+        from here takes back what it appends from here."""
+        self._image = self._allocator.open if self._allocator.active else None
+        self._take_mark()
+
+    def _take_mark(self) -> None:
         image = self._image
         if image is not None:
             region = image.region
@@ -97,11 +109,15 @@ def _cover(write_and_sync: Callable[[list], None], base: int, image, ranges) -> 
         pass
 
 
-def forget_new_keys(blocks: BlockMap, k0s: np.ndarray, k1s: np.ndarray, slots_before) -> Callable[[], None]:
+def forget_new_keys(blocks: BlockMap, k0s: np.ndarray, k1s: np.ndarray, slots_before,
+                    kept: np.ndarray | None = None) -> Callable[[], None]:
     """An ``undo`` for a PUT batch: drop from the index the batch's keys that were absent when it
-    started (``slots_before`` < 0; under the same lock hold, nobody else stored them meanwhile)."""
+    started (``slots_before`` < 0; under the same lock hold, nobody else stored them meanwhile),
+    but not those ``kept`` marks at the time of the undo (placed before a crossing into a new region)."""
     def undo() -> None:
         absent = np.asarray(slots_before) < 0
+        if kept is not None:
+            absent &= ~kept
         slots = blocks.index.find_many(k0s[absent], k1s[absent])
         blocks.forget(np.unique(slots[slots >= 0]))
     return undo
