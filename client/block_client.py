@@ -391,9 +391,15 @@ class BlockClient(ClientBase):
         (seq,) = self.put_many([(key, block)], durable)
         return seq
 
-    def put_many(self, items, durable: bool = False, ns_id: bytes | None = None) -> list[int]:
+    def put_many(self, items, durable: bool = False, ns_id: bytes | None = None, repair: bool = False) -> list[int]:
+        """The seqs stored, one per item. ``repair``: the blocks are copies of what other owners hold
+        (read-repair, re-replication): a daemon that deleted a key lately (HELLO feature
+        ``put_skip_deleted``) does not store it and answers seq 0; an older daemon stores them all."""
         items = list(items)
-        return self._call(lambda: ops.op_put_many(items, durable, ns_id, self.limits))
+        if repair and self._info is None:
+            self.ping()  # learn the features first
+        skip = repair and p.FEATURE_PUT_SKIP_DELETED in self._info.get("features", ())
+        return self._call(lambda: ops.op_put_many(items, durable, ns_id, self.limits, skip))
 
     def get(self, key, ns_id: bytes | None = None, copy: bool = True) -> bytes | None:
         return self.get_many([key], ns_id, copy)[0]

@@ -49,6 +49,7 @@ class TierSnapshot:
     fallbacks: int = 0  # blocks a faster transport failed to validate and TCP served instead
     failovers: int = 0  # blocks asked of a later owner because an earlier one could not answer
     repairs: int = 0  # blocks found on a later owner and written back to an earlier one
+    repairs_declined: int = 0  # of those, blocks the earlier owner did not take back: it deleted them lately
 
     @property
     def lookups(self) -> int:
@@ -91,7 +92,7 @@ class CacheStatistics:
                 "latency_us": {"p50": snap.latency_us_p50, "p90": snap.latency_us_p90,
                                "p99": snap.latency_us_p99, "max": snap.latency_us_max},
                 "transports": dict(snap.transports), "fallbacks": snap.fallbacks,
-                "failovers": snap.failovers, "repairs": snap.repairs,
+                "failovers": snap.failovers, "repairs": snap.repairs, "repairs_declined": snap.repairs_declined,
             }
         out["hot_pool"] = {"resident_blocks": self.hot_blocks_resident,
                            "referenced_blocks": self.hot_blocks_referenced,
@@ -116,16 +117,16 @@ class TierRecorder:
         self._bytes_written = 0
         self._fallbacks = 0
         self._failovers = 0
-        self._repairs = 0
+        self._repairs = self._repairs_declined = 0
         self._transports: dict[str, int] = {}
         self._latency_us = np.zeros(LATENCY_SAMPLES_MAX, dtype=np.float64)
         self._operations = 0
 
     def record(self, *, hits: int = 0, misses: int = 0, bytes_read: int = 0, bytes_written: int = 0,
                latency_s: float | None = None, transport: str | None = None, fallbacks: int = 0, failovers: int = 0,
-               repairs: int = 0) -> None:
+               repairs: int = 0, repairs_declined: int = 0) -> None:
         """Add one operation's outcome. ``transport`` is credited with ``hits`` blocks."""
-        if min(hits, misses, bytes_read, bytes_written, fallbacks, failovers, repairs) < 0:
+        if min(hits, misses, bytes_read, bytes_written, fallbacks, failovers, repairs, repairs_declined) < 0:
             raise ValueError("tier counters only grow; got a negative increment")
         with self._lock:
             self._hits += hits
@@ -135,6 +136,7 @@ class TierRecorder:
             self._fallbacks += fallbacks
             self._failovers += failovers
             self._repairs += repairs
+            self._repairs_declined += repairs_declined
             if transport is not None and hits:
                 self._transports[transport] = self._transports.get(transport, 0) + hits
             if latency_s is not None:
@@ -149,7 +151,7 @@ class TierRecorder:
             bytes_read, bytes_written = self._bytes_read, self._bytes_written
             transports = dict(self._transports)
             operations, fallbacks = self._operations, self._fallbacks
-            failovers, repairs = self._failovers, self._repairs
+            failovers, repairs, declined = self._failovers, self._repairs, self._repairs_declined
         if n:
             p50, p90, p99 = (float(v) for v in np.percentile(samples, PERCENTILES))
             lat_max = float(samples.max())
@@ -159,4 +161,4 @@ class TierRecorder:
                             bytes_written=bytes_written, operations=operations,
                             latency_us_p50=p50, latency_us_p90=p90, latency_us_p99=p99,
                             latency_us_max=lat_max, transports=MappingProxyType(transports),
-                            fallbacks=fallbacks, failovers=failovers, repairs=repairs)
+                            fallbacks=fallbacks, failovers=failovers, repairs=repairs, repairs_declined=declined)

@@ -144,9 +144,10 @@ PUT_FRAME_BYTES_TARGET = 16 << 20  # the daemon receives a PUT payload up to thi
 # splitting adds no round trip.
 
 
-def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, limits: p.Limits) -> Op:
+def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, limits: p.Limits,
+                skip_deleted: bool = False) -> Op:
     """Stored sequence numbers, one per item; frames split by count and bytes (at
-    PUT_FRAME_BYTES_TARGET, a larger block alone in its frame)."""
+    PUT_FRAME_BYTES_TARGET, a larger block alone in its frame). ``skip_deleted``: FLAG_SKIP_DELETED."""
     frames, keys, blocks, size = [], [], [], 0
     frame_bytes = min(limits.payload_bytes_max, PUT_FRAME_BYTES_TARGET)
     for key, block in items:
@@ -154,13 +155,13 @@ def op_put_many(items: Sequence[tuple[bytes, object]], durable: bool, ns_id, lim
         if view.nbytes > limits.payload_bytes_max:
             raise ValueError(f"a block of {view.nbytes} bytes is over the frame payload limit {limits.payload_bytes_max}")
         if keys and (len(keys) == limits.batch_count_max or size + view.nbytes > frame_bytes):
-            frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id))
+            frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id, skip_deleted))
             keys, blocks, size = [], [], 0
         keys.append(check_key(key))
         blocks.append(view)
         size += view.nbytes
     if keys:
-        frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id))
+        frames.append(p.Put(0, tuple(keys), tuple(blocks), durable, ns_id, skip_deleted))
     if not frames:
         return []
     replies = yield frames

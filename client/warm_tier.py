@@ -309,7 +309,8 @@ class WarmTier:
     def _repair(self, batch: OwnerBatch, repairs: dict[int, list[int]], keys: list[bytes],
                 groups: list[int], results: list) -> None:
         """Write blocks found on a later owner back to the owners that answered without
-        them, in the background; a full repair queue drops the repair (a later hit retries)."""
+        them, in the background; a full repair queue drops the repair (a later hit retries).
+        An owner that deleted a key lately does not take it back (a replica missed the delete)."""
         for j, idx in repairs.items():
             daemon = batch.daemons[j]
             # a block landed in the caller's tensors is not a block in memory to write back (a later hit repairs it)
@@ -324,10 +325,11 @@ class WarmTier:
                      for key, part in zip(self.objects_of([keys[i]], groups), results[i])]
             nbytes = sum(view.nbytes for _, view in items)
 
-            def put(daemon=daemon, items=items, blocks=len(idx)) -> int:
-                daemon.client.put_many(items, durable=False)
-                self.stats.record(repairs=blocks)
-                return blocks
+            def put(daemon=daemon, items=items, width=len(groups)) -> int:
+                seqs = daemon.client.put_many(items, durable=False, repair=True)
+                taken = sum(all(seqs[n:n + width]) for n in range(0, len(seqs), width))
+                self.stats.record(repairs=taken, repairs_declined=len(seqs) // width - taken)
+                return taken
             self._repairs.submit(nbytes, len(idx), put)
 
     def _put_to(self, daemon: Daemon, items: list, durable: bool) -> None:

@@ -127,26 +127,32 @@ def test_a_durable_put_with_fewer_live_members_than_replicas_is_refused_and_stor
         assert cache.store_blocks(keys, blocks) == len(keys)  # buffered: one owner is enough
 
 
+def written_while_the_first_owner_was_away(name: str, view, place, keys, blocks, indexes) -> None:
+    """Store blocks ``indexes`` on their second owner only (a static list of that one daemon)."""
+    for i in indexes:
+        with KVCache(ns(name), view.addresses[int(place[i, 1])], hot_pool_bytes=0, timeout_s=5.0) as second:
+            assert second.store_blocks([keys[i]], [blocks[i]], durable=True) == 1
+
+
 def test_read_repair_puts_a_block_back_on_its_first_owner(cluster):
     etcd_server, daemons = cluster
-    tokens = list(range(7000, 7000 + BLOCKS * 8))
-    kv = make_kv(len(tokens), seed=2)
     with open_cache(etcd_server, "repair") as cache:
-        assert cache.store(tokens, kv) == BLOCKS
-        keys = cache.keys_for(tokens)
+        keys = cache.keys_for(list(range(7000, 7000 + BLOCKS * 8)))
+        blocks = [torch.randn(LAYOUT.block_shape, generator=torch.Generator().manual_seed(i)).half()
+                  for i in range(len(keys))]
         view, place = placement_of(cache, keys)
-        lost = [0, 5, 9]  # blocks the first owner loses (as a node that missed the writes would)
-        for i in lost:
-            with BlockClient(view.addresses[int(place[i, 0])]) as client:
-                client.delete_many([keys[i]])
-        loaded = cache.load(tokens)
-        assert loaded.num_tokens == len(tokens) and prefix_equal(loaded.layers, kv, len(tokens))
+        lost = [0, 5, 9]  # blocks the first owner lacks: it missed their writes
+        written_while_the_first_owner_was_away("repair", view, place, keys, blocks, lost)
+        kept = [i for i in range(len(keys)) if i not in lost]
+        assert cache.store_blocks([keys[i] for i in kept], [blocks[i] for i in kept], durable=True) == len(kept)
+        assert all(torch.equal(got, want) for got, want in zip(cache.load_blocks(keys), blocks))
         cache._warm.wait_repairs(timeout_s=10.0)
         assert cache.statistics().warm.repairs == len(lost)
+        assert cache.statistics().warm.repairs_declined == 0
         assert cache.statistics().warm.failovers == 0  # every owner answered
         for i in lost:
             assert held_by(view.addresses[int(place[i, 0])], [keys[i]]) == [True]
-        loaded = cache.load(tokens)  # nothing left to repair
+        cache.load_blocks(keys)  # nothing left to repair
         cache._warm.wait_repairs(timeout_s=10.0)
         assert cache.statistics().warm.repairs == len(lost)
 
@@ -156,15 +162,34 @@ def test_read_repair_of_a_key_asked_twice_writes_it_back_once(cluster):
     with open_cache(etcd_server, "repair-twice") as cache:
         keys = cache.keys_for(list(range(9100, 9100 + 2 * 8)))
         blocks = [torch.randn(LAYOUT.block_shape).half() for _ in keys]
-        assert cache.store_blocks(keys, blocks, durable=True) == 2
         view, place = placement_of(cache, keys)
-        first_owner = view.addresses[int(place[0, 0])]
-        with BlockClient(first_owner) as client:
-            client.delete_many([keys[0]])
+        written_while_the_first_owner_was_away("repair-twice", view, place, keys, blocks, [0])
+        assert cache.store_blocks(keys[1:], blocks[1:], durable=True) == 1
         got = cache.load_blocks([keys[0], keys[1], keys[0]])
         assert torch.equal(got[0], blocks[0]) and torch.equal(got[2], blocks[0]) and torch.equal(got[1], blocks[1])
         cache._warm.wait_repairs(timeout_s=10.0)
         assert cache.statistics().warm.repairs == 1
+        assert held_by(view.addresses[int(place[0, 0])], [keys[0]]) == [True]
+
+
+def test_read_repair_does_not_bring_back_a_block_its_first_owner_deleted(cluster):
+    """The second owner missed a delete: a load is served from it, but the first owner, which
+    deleted the key, declines the repair; a client's own store of the key is taken as always."""
+    etcd_server, daemons = cluster
+    with open_cache(etcd_server, "repair-deleted") as cache:
+        keys = cache.keys_for(list(range(9300, 9300 + 2 * 8)))
+        blocks = [torch.randn(LAYOUT.block_shape).half() for _ in keys]
+        assert cache.store_blocks(keys, blocks, durable=True) == 2
+        view, place = placement_of(cache, keys)
+        first_owner = view.addresses[int(place[0, 0])]
+        with BlockClient(first_owner) as client:
+            assert client.delete_many([keys[0]]) == [True]
+        assert torch.equal(cache.load_blocks([keys[0]])[0], blocks[0])
+        cache._warm.wait_repairs(timeout_s=10.0)
+        warm = cache.statistics().warm
+        assert (warm.repairs, warm.repairs_declined) == (0, 1)
+        assert held_by(first_owner, [keys[0]]) == [False]
+        assert cache.store_blocks(keys[:1], blocks[:1], durable=True) == 1
         assert held_by(first_owner, [keys[0]]) == [True]
 
 

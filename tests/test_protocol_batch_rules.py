@@ -18,14 +18,14 @@ FLAGS_AT = 6  # the header's u16 flags (kvtier.wire.frames)
 PING = p.Ping(99, b"next")
 FLAG_NAMES = {f.FLAG_HAS_NS: "HAS_NS", f.FLAG_DURABLE: "DURABLE", f.FLAG_WANT_LOCATIONS: "WANT_LOCATIONS",
               f.FLAG_READER_VERIFIES: "READER_VERIFIES", f.FLAG_WANT_ORIGIN: "WANT_ORIGIN",
-              f.FLAG_PIN_TTL: "PIN_TTL", f.FLAG_SCATTER: "SCATTER"}
-UNDEFINED_FLAG = 0x80
+              f.FLAG_PIN_TTL: "PIN_TTL", f.FLAG_SCATTER: "SCATTER", f.FLAG_SKIP_DELETED: "SKIP_DELETED"}
+UNDEFINED_FLAG = 0x100
 # what docs/protocol.md says each request op takes; every other flag is refused
 REQUEST_TAKES = {
     m.Op.HELLO: 0,
     m.Op.LOOKUP: f.FLAG_HAS_NS | f.FLAG_WANT_LOCATIONS | f.FLAG_WANT_ORIGIN,
     m.Op.GET: f.FLAG_HAS_NS | f.FLAG_READER_VERIFIES | f.FLAG_WANT_ORIGIN,
-    m.Op.PUT: f.FLAG_HAS_NS | f.FLAG_DURABLE,
+    m.Op.PUT: f.FLAG_HAS_NS | f.FLAG_DURABLE | f.FLAG_SKIP_DELETED,
     m.Op.DELETE: f.FLAG_HAS_NS,
     m.Op.PIN: f.FLAG_HAS_NS | f.FLAG_PIN_TTL,
     m.Op.UNPIN: f.FLAG_HAS_NS,
@@ -129,7 +129,7 @@ def test_a_flag_the_op_does_not_take_is_refused_naming_it(request_, flag):
 
 def test_every_flag_an_op_takes_is_accepted():
     requests = [p.Lookup(1, (K1,), True, NS, want_origin=True), p.Get(2, (K1,), NS, True, want_origin=True),
-                p.Put(3, (K1,), (BLOCK,), True, NS), p.Delete(4, (K1,), NS), p.Pin(5, (K1,), NS, ttl_ms=7),
+                p.Put(3, (K1,), (BLOCK,), True, NS, skip_deleted=True), p.Delete(4, (K1,), NS), p.Pin(5, (K1,), NS, ttl_ms=7),
                 p.Unpin(6, (K1,), NS),
                 m.NixlGet(7, (K1,), "a", ((0x10000, 64),), NS, True, (((0x10000, 64),),)),
                 m.NixlPut(8, (K1,), "a", (((0x10000, 64),),), True, NS)]

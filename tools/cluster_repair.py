@@ -68,6 +68,7 @@ class RepairFigures:
     blocks_failed: int = 0  # a GET miss at the source or a refused PUT: left for the next pass
     keys_deleted: int = 0  # stored keys an owner deleted lately: not copied
     blocks_deleted: int = 0  # copies of those deleted where they were still held
+    blocks_declined: int = 0  # copies the target did not take: it deleted the key after the listing
     nodes_unlisted: int = 0  # members whose keys could not be listed (no admin API, unreachable)
     bytes_moved_to: dict = field(default_factory=dict)  # node id -> bytes it received
     last_pass_s: float = 0.0
@@ -207,14 +208,15 @@ class ClusterRepairer:
                 nbytes = sum(v.nbytes for _, v in items)
                 if self._stop.wait(self.rate.delay_s(nbytes)):
                     return
-                if items:
-                    self._client(target.address).put_many(items, durable=False)
+                seqs = self._client(target.address).put_many(items, durable=False, repair=True) if items else []
             except (p.ConnectionLost, p.RemoteError, OSError) as exc:
                 figures.blocks_failed += len(transfer.keys)
                 log.warning("event=repair_copy_failed source=%s target=%s blocks=%d error=%s", source.node_id,
                             target.node_id, len(transfer.keys), exc)
                 continue
-            figures.blocks_copied += len(items)
+            declined = seqs.count(0)  # the target deleted them since the pass listed its keys
+            figures.blocks_copied += len(items) - declined
+            figures.blocks_declined += declined
             figures.blocks_failed += len(transfer.keys) - len(items)
             figures.bytes_moved += nbytes
             figures.bytes_moved_to[target.node_id] = figures.bytes_moved_to.get(target.node_id, 0) + nbytes
@@ -243,7 +245,7 @@ class ClusterRepairer:
     def _add_locked(self, f: RepairFigures) -> None:
         t = self.total
         for name in ("passes", "keys_listed", "copies_missing", "blocks_copied", "bytes_moved", "blocks_failed",
-                     "nodes_unlisted", "keys_deleted", "blocks_deleted"):
+                     "nodes_unlisted", "keys_deleted", "blocks_deleted", "blocks_declined"):
             setattr(t, name, getattr(t, name) + getattr(f, name))
         for node, n in f.bytes_moved_to.items():
             t.bytes_moved_to[node] = t.bytes_moved_to.get(node, 0) + n
@@ -313,7 +315,8 @@ def run_repair_command(args, url: str, token: str | None, emit) -> int:
             emit(args, asdict(figures), f"repair pass: {figures.keys_listed} keys listed, "
                                         f"{figures.copies_missing} copies missing, {figures.blocks_copied} blocks "
                                         f"copied ({figures.bytes_moved} bytes), {figures.blocks_deleted} deleted "
-                                        f"(deleted lately by an owner), {figures.blocks_failed} failed, "
+                                        f"(deleted lately by an owner), {figures.blocks_declined} declined, "
+                                        f"{figures.blocks_failed} failed, "
                                         f"{figures.nodes_unlisted} members not listed")
             return 0 if not figures.nodes_unlisted and not figures.blocks_failed else 1
         try:

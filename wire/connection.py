@@ -40,7 +40,7 @@ from kvtier.wire.state import (Admission, ConnectionState, Input, OutstandingReq
 from kvtier.wire.state import Role  # noqa: F401  (re-exported)
 from kvtier.wire.events import (  # noqa: F401  (re-exported)
     BATCH_COUNT_MAX, DEFAULT_LIMITS, FEATURE_GET_READER_VERIFIES, FEATURE_UPSTREAM, HELLO_META_BYTES_MAX, KEY_SIZE, META_BYTES_MAX,
-    PAYLOAD_BYTES_MAX, FEATURE_PIN_TTL,
+    PAYLOAD_BYTES_MAX, FEATURE_PIN_TTL, FEATURE_PUT_SKIP_DELETED,
     PROTOCOL_VERSION, REPLY_BIT, REPLY_TYPES, REQUEST_TYPES, ClientError, ConnectionLost, Delete, DeleteReply,
     ErrorCode, ErrorReply, Flush, FlushReply, Get, GetReply, Hello, HelloReply, Limits, Location, LocationRecords,
     BlockParts, Lookup, LookupReply, Op, Pin, PinReply, Ping, PingReply, ProtocolError, Put, PutReply, Rejected, RemoteError,

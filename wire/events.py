@@ -21,6 +21,7 @@ META_BYTES_MAX = 1 << 20  # item tables (16384 x 24-byte locations) and JSON doc
 FEATURE_GET_READER_VERIFIES = "get_reader_verifies"  # HELLO features: GET honours FLAG_READER_VERIFIES
 FEATURE_KV_EVENTS = "kv_events"  # HELLO features: the daemon publishes KV events (kvtierd --kv-events-endpoint)
 FEATURE_PIN_TTL = "pin_ttl"  # HELLO features: PIN honours FLAG_PIN_TTL (soft pins that expire by themselves)
+FEATURE_PUT_SKIP_DELETED = "put_skip_deleted"  # HELLO features: PUT honours FLAG_SKIP_DELETED (seq 0: not stored)
 PIN_TTL_MS_MAX = 2**32 - 1  # the PIN meta's u32: about 49.7 days
 FEATURE_UPSTREAM = "upstream"  # HELLO features: the daemon has an upstream and answers FLAG_WANT_ORIGIN
 FEATURE_NIXL = "nixl"  # HELLO features: the daemon runs a NIXL agent and answers NIXL_METADATA / NIXL_GET
@@ -179,6 +180,7 @@ class Put:
     blocks: tuple[Any, ...]  # bytes-like, or BlockParts
     durable: bool = False
     ns_id: bytes | None = None
+    skip_deleted: bool = False  # FLAG_SKIP_DELETED: a key the daemon deleted lately is answered seq 0, not stored
 
 
 @dataclass(frozen=True)

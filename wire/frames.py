@@ -42,9 +42,10 @@ FLAG_READER_VERIFIES = 0x8  # GET: the reader checks payload CRCs itself, the da
 FLAG_WANT_ORIGIN = 0x10  # GET, LOOKUP: the reply says per block whether it was local or fetched upstream
 FLAG_PIN_TTL = 0x20  # PIN: a soft pin; the meta section holds a u32 ttl_ms (after the namespace id) before the keys
 FLAG_SCATTER = 0x40  # NIXL_GET: each item's block is written across extents (the table after the descriptors)
+FLAG_SKIP_DELETED = 0x80  # PUT: a copy (read-repair, re-replication): keys this daemon deleted lately are not stored
 FLAG_NAMES = {FLAG_HAS_NS: "HAS_NS", FLAG_DURABLE: "DURABLE", FLAG_WANT_LOCATIONS: "WANT_LOCATIONS",
               FLAG_READER_VERIFIES: "READER_VERIFIES", FLAG_WANT_ORIGIN: "WANT_ORIGIN", FLAG_PIN_TTL: "PIN_TTL",
-              FLAG_SCATTER: "SCATTER"}
+              FLAG_SCATTER: "SCATTER", FLAG_SKIP_DELETED: "SKIP_DELETED"}
 KNOWN_FLAGS = sum(FLAG_NAMES)
 FLAG_BITS = 16  # the header's u16
 # The flags each op's frames take; any other bit, defined or not, is refused (a newer peer's flag is
@@ -53,7 +54,7 @@ REQUEST_FLAGS: dict[int, int] = {
     m.Op.HELLO: 0,
     m.Op.LOOKUP: FLAG_HAS_NS | FLAG_WANT_LOCATIONS | FLAG_WANT_ORIGIN,
     m.Op.GET: FLAG_HAS_NS | FLAG_READER_VERIFIES | FLAG_WANT_ORIGIN,
-    m.Op.PUT: FLAG_HAS_NS | FLAG_DURABLE,
+    m.Op.PUT: FLAG_HAS_NS | FLAG_DURABLE | FLAG_SKIP_DELETED,
     m.Op.DELETE: FLAG_HAS_NS,
     m.Op.PIN: FLAG_HAS_NS | FLAG_PIN_TTL,
     m.Op.UNPIN: FLAG_HAS_NS,

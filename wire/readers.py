@@ -22,7 +22,7 @@ from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG
                                 FLAG_WANT_ORIGIN, FRAME_HEADER, KEY_RECORD, LOCATION, LOCATION_PRESENT, LOCATION_RECORD,
                                 LOCATION_SEALED, MAGIC, PUT_ITEM, U16, U32, FrameHead)
 from kvtier.common.keys import repeated_key
-from kvtier.wire.frames import FLAG_PIN_TTL, flag_names, flags_taken
+from kvtier.wire.frames import FLAG_PIN_TTL, FLAG_SKIP_DELETED, flag_names, flags_taken
 from kvtier.wire import nixl_frames
 
 
@@ -316,7 +316,7 @@ def _build_put(head: FrameHead, parsed, payload: memoryview) -> m.Put:
         blocks.append(payload[pos:pos + length])
         pos += length
     return m.Put(head.request_id, tuple(k for k, _ in items), tuple(blocks),
-                 bool(head.flags & FLAG_DURABLE), ns)
+                 bool(head.flags & FLAG_DURABLE), ns, bool(head.flags & FLAG_SKIP_DELETED))
 
 
 def _build_get_reply(head: FrameHead, lengths, payload: memoryview) -> m.GetReply:

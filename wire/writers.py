@@ -16,7 +16,7 @@ from kvtier.wire import events as m
 from kvtier.wire.events import Op
 from kvtier.wire.frames import (DEFERRED_LENGTH, FLAG_DURABLE, FLAG_HAS_NS, FLAG_READER_VERIFIES, FLAG_WANT_LOCATIONS,
                                 FLAG_WANT_ORIGIN, LOCATION, LOCATION_PRESENT, LOCATION_RECORD, LOCATION_SEALED, PUT_ITEM, U16, U32)
-from kvtier.wire.frames import FLAG_PIN_TTL
+from kvtier.wire.frames import FLAG_PIN_TTL, FLAG_SKIP_DELETED
 from kvtier.wire import nixl_frames
 
 _KEYS_OPS = {m.Lookup: Op.LOOKUP, m.Get: Op.GET, m.Delete: Op.DELETE, m.Pin: Op.PIN, m.Unpin: Op.UNPIN}
@@ -93,7 +93,7 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
         if len(msg.keys) != len(msg.blocks):
             raise ValueError(f"PUT of {len(msg.keys)} keys and {len(msg.blocks)} blocks")
         flags, prefix = _ns_prefix(msg.ns_id)
-        flags |= FLAG_DURABLE if msg.durable else 0
+        flags |= (FLAG_DURABLE if msg.durable else 0) | (FLAG_SKIP_DELETED if msg.skip_deleted else 0)
         blocks = [[memoryview(part).cast("B") for part in b] if isinstance(b, m.BlockParts)
                   else [memoryview(b).cast("B")] for b in msg.blocks]
         meta = prefix + b"".join(PUT_ITEM.pack(check_key(k), sum(v.nbytes for v in views))

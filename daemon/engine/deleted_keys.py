@@ -5,6 +5,7 @@ from a replica that missed the delete (pure bookkeeping, no I/O; memory only).
 
     DELETE k, delete_namespace   record(k, now)     a delete that succeeded (durable) records its keys
     PUT k                        forget(k)          a key stored again is no longer deleted here
+    PUT k, FLAG_SKIP_DELETED     contains(k)        a copy (read-repair) of a key deleted here is not stored
     GET /v1/keys/deleted         page(cursor)       what ``kvtier cluster repair`` reads
 
 Bounded twice: at most ``DELETED_KEYS_MAX`` keys (the oldest delete goes first) and for at most
@@ -42,6 +43,11 @@ class DeletedKeys:
             self._at.move_to_end(key)
         while len(self._at) > self._keys_max:
             self._at.popitem(last=False)
+
+    def contains(self, k0: int, k1: int) -> bool:
+        """Whether the key was deleted here lately (and not stored since)."""
+        at = self._at.get((k0, k1))
+        return at is not None and at > self._clock() - self._age_s
 
     def forget(self, k0: Sequence[int], k1: Sequence[int]) -> None:
         if not self._at:  # the common case: nothing deleted lately

@@ -167,9 +167,10 @@ class Engine:
         """Store one block (header + payload); returns its seq. A present key is a no-op."""
         return self.put_many([block], durable)[0]
 
-    def put_many(self, blocks: Iterable, durable: bool = False) -> list[int]:
+    def put_many(self, blocks: Iterable, durable: bool = False, skip_deleted: bool = False) -> list[int]:
         """Store blocks; with ``durable`` they are on flash and synced on return. All are validated before any is
-        stored. A batch failing after it crossed into a new region keeps what it placed before (:mod:`.take_back`)."""
+        stored. A batch failing after it crossed into a new region keeps what it placed before (:mod:`.take_back`).
+        ``skip_deleted``: a key deleted here lately (:mod:`.deleted_keys`) is not stored, its seq 0."""
         views, headers = [], []
         for i, block in enumerate(blocks):
             view = memoryview(block).cast("B")
@@ -181,7 +182,7 @@ class Engine:
             headers.append(header)
         if not views:
             return []
-        copied = self._put_copied_in_place(views, headers, durable)
+        copied = None if skip_deleted else self._put_copied_in_place(views, headers, durable)
         if copied is not None:
             return copied
         k0s, k1s = fmt.keys_to_halves([h.key for h in headers])
@@ -204,6 +205,9 @@ class Engine:
                     continue
                 if (k0l[i], k1l[i]) in first_of:  # the same key twice in one batch
                     seqs[i] = seqs[first_of[(k0l[i], k1l[i])]]
+                    continue
+                if skip_deleted and self._blocks.deleted.contains(k0l[i], k1l[i]):
+                    self._counters.puts_skipped_deleted += 1
                     continue
                 if not allocator.appendable(view.nbytes):
                     if pending:  # sealed: a commit in ensure_room's wait (no lock) may sync them past a take-back
@@ -346,8 +350,6 @@ class Engine:
     # -- lookup / locate -----------------------------------------------------
     def lookup(self, keys: Sequence) -> int:
         """How many leading keys of a chain are present (one vectorized probe)."""
-        if not len(keys):
-            return 0
         return self._lookup_halves(*fmt.keys_to_halves(keys))
 
     def lookup_buffer(self, keys_buf) -> int:
@@ -389,11 +391,9 @@ class Engine:
             self._check_open()
             hit, addr, length, seq, sealed = self._blocks.resolve(k0, k1, self._allocator.image_regions(),
                                                                   durable_ends=self._allocator.image_durable_ends())
-        rows["found"][hit] = True
-        rows["logical_offset"][hit] = addr
-        rows["length"][hit] = length
-        rows["seq"][hit] = seq
-        rows["sealed"][hit] = sealed
+        for name, column in (("found", True), ("logical_offset", addr), ("length", length), ("seq", seq),
+                             ("sealed", sealed)):
+            rows[name][hit] = column
         return rows
 
     # -- delete / pin (pins_and_deletes.PinsAndDeletes) --------------------------

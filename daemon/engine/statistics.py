@@ -21,6 +21,7 @@ class EngineCounters:
     corrupt_reads: int = 0
     recovered_blocks: int = 0
     puts_received_in_place: int = 0  # of puts: blocks received straight into the open region (no copy)
+    puts_skipped_deleted: int = 0  # blocks of copies (read-repair, re-replication) not stored: deleted here lately
     pins_refused: int = 0  # PIN requests refused at the pinned-bytes limit (pinned_fraction_max)
     clean_region_waits: int = 0  # writers that found the clean-region pool empty and waited for the reclaim worker
     clean_region_wait_seconds: float = 0.0  # the time they waited, summed
@@ -51,6 +52,7 @@ class EngineStatistics:
     corrupt_reads: int
     recovered_blocks: int
     puts_received_in_place: int
+    puts_skipped_deleted: int
     recovery_seconds: float
     index_bytes: int
     pins_refused: int = 0

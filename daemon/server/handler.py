@@ -28,6 +28,7 @@ from kvtier.daemon.upstream.client import CLIENT_NAME as UPSTREAM_CLIENT_NAME
 from kvtier.wire import connection as p
 from kvtier.wire.writers import location_records
 from kvtier.wire.events import NixlGet, NixlMetadata, NixlPut
+from kvtier.wire.frames import FLAG_SKIP_DELETED
 
 log = logging.getLogger("kvtier.daemon.server")
 
@@ -106,7 +107,8 @@ class RequestHandler:
         return {
             "server": "kvtierd", "protocol_version": p.PROTOCOL_VERSION,
             "auth_required": self._token() is not None,
-            "features": [p.FEATURE_GET_READER_VERIFIES, p.FEATURE_PIN_TTL, *self.extra_features],
+            "features": [p.FEATURE_GET_READER_VERIFIES, p.FEATURE_PIN_TTL, p.FEATURE_PUT_SKIP_DELETED,
+                         *self.extra_features],
             "geometry": geometry_doc(self._engine.geometry),
             "region_size_bytes": self._region_size_bytes,
             "limits": {"batch_count_max": self._limits.batch_count_max, "meta_bytes_max": self._limits.meta_bytes_max,
@@ -172,7 +174,8 @@ class RequestHandler:
         land, no copy), or None (an arena or a buffer of its own, then ``Engine.put_many``).
         A frame an arena holds goes there when the open region has no room left for it
         (``put_many`` then fills the region's end); a larger one starts the next region."""
-        if head.base_op != p.Op.PUT or not session.authenticated and self._token() is not None:
+        if head.base_op != p.Op.PUT or not session.authenticated and self._token() is not None or \
+                head.flags & FLAG_SKIP_DELETED:  # a copy: stored key by key under the lock (Engine.put_many)
             return None
         _, items = meta
         try:
@@ -218,7 +221,7 @@ class RequestHandler:
         if reservation is not None:
             seqs = self._engine.commit_put(reservation, durable=msg.durable)
         else:
-            seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable)
+            seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable, skip_deleted=msg.skip_deleted)
         return p.PutReply(msg.request_id, tuple(seqs)), False
 
     def _delete(self, msg: p.Delete, session, token):
