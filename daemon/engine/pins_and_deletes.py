@@ -3,7 +3,9 @@ the open region's summary -- a tombstone, namespace tombstone, pin or unpin -- m
 change last. Every call is durable when it returns (its records are written and synced).
 
 Each call is all-or-nothing as its caller sees it. Room for every record is taken first (that
-may seal the open region or reclaim one, which may fail: NoSpaceError, nothing changed); a
+may seal the open region or reclaim one, which may fail: NoSpaceError, nothing changed), and
+the keys to change chosen again after it (taking room may let go of the lock): never more
+than there is room for, so all of a call's records go to one open image; a
 DELETE, UNPIN or namespace delete on a store with no room left tries once more with its
 change applied in memory -- dropping or unpinning blocks may be what makes a region
 reclaimable -- and undoes it if that fails too. Then, under the engine lock, the change is
@@ -47,6 +49,16 @@ from .seqs import SeqCounter
 from .soft_pins import SoftPins, check_ttl_s
 from .statistics import EngineCounters
 from .take_back import AppendedRecords, appends_or_nothing, mark_records, take_back_failed_records
+
+
+# the slots a request changes, of its keys' index slots (-1: absent): one record each
+Pick = Callable[[np.ndarray], np.ndarray]
+# (the keys' slots, those picked, their records' (k0, k1, target seq), the undo of a change applied early or None)
+Chosen = tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]], Callable[[], None] | None]
+
+
+def _present(slots: np.ndarray) -> np.ndarray:
+    return np.unique(slots[slots >= 0])
 
 
 class PinsAndDeletes:
@@ -97,7 +109,8 @@ class PinsAndDeletes:
             raise PinLimitError(
                 f"pin refused: {len(new_slots)} blocks of {added} bytes would bring the pinned bytes to "
                 f"{hard + soft + added}, past pinned_bytes_max={limit} (pinned_fraction_max="
-                f"{self._pinned_fraction_max} of {self._capacity_bytes} bytes); pinned now: {hard + soft} bytes ({hard} hard, {soft} soft). Unpin or delete blocks, "
+                f"{self._pinned_fraction_max} of {self._capacity_bytes} bytes); pinned now: {hard + soft} bytes "
+                f"({hard} hard, {soft} soft). Unpin or delete blocks, "
                 f"or raise pinned_fraction_max")
 
     # -- deletes -----------------------------------------------------------
@@ -107,15 +120,10 @@ class PinsAndDeletes:
         k0, k1 = fmt.keys_to_halves(keys)
         with self._lock:
             slots = self._slots_to_change(k0, k1)
-            unique = np.unique(slots[slots >= 0])
             settle, appended = self._unsettled > 0, None
-            if len(unique):
-                doomed = self._targets(unique)
-                undo = self._room_for_records(len(unique), lambda: self._forget_tentatively(unique))
+            if (slots >= 0).any():
+                slots, unique, doomed, undo = self._room_for_records(k0, k1, slots, _present, self._forget_tentatively)
                 if undo is None:
-                    slots = self._index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
-                    unique = np.unique(slots[slots >= 0])
-                    doomed = self._targets(unique)
                     undo = self._forget_tentatively(unique)
                 appended = self._append_records([(fmt.KIND_TOMBSTONE, k0_, k1_, fmt.NO_NAMESPACE, seq)
                                                  for k0_, k1_, seq in doomed], undo)
@@ -147,7 +155,7 @@ class PinsAndDeletes:
             allocator.reap_seal(wait=True)
             slots = self._namespace_slots(ns_id)
             keys = list(zip(self._index.k0[slots].tolist(), self._index.k1[slots].tolist()))
-            undo = None if roomy else self._room_for_records(1, lambda: self._forget_tentatively(slots))
+            undo = None if roomy else self._room_for_count(1, lambda: self._forget_tentatively(slots))
             if undo is None:
                 undo = self._forget_tentatively(slots)
             k0, k1 = fmt.key_to_halves(ns_id)
@@ -209,11 +217,8 @@ class PinsAndDeletes:
             settle, appended = self._unsettled > 0, None
             if len(flip):
                 self._check_pin_limit(self._not_soft(flip))
-                self._reserve_records(len(flip))
-                slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
-                flip = self._unpinned_slots(slots)
+                slots, flip, changed, _ = self._room_for_records(k0, k1, slots, self._unpinned_slots)
                 self._check_pin_limit(self._not_soft(flip))
-                changed = self._targets(flip)
                 undo = self._set_pins_tentatively(flip, True)
                 appended = self._append_records([(fmt.KIND_PIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
                                                  for k0_, k1_, seq in changed], undo)
@@ -229,18 +234,14 @@ class PinsAndDeletes:
         if not len(keys):
             return []
         k0, k1 = fmt.keys_to_halves(keys)
-        index = self._index
         with self._lock:
             slots = self._slots_to_change(k0, k1)
             flip = self._hard_slots(slots)
             appended = undo = None
             if len(flip):
-                targets = self._targets(flip)
-                undo = self._room_for_records(len(flip), lambda: self._set_pins_tentatively(flip, False))
+                slots, flip, targets, undo = self._room_for_records(
+                    k0, k1, slots, self._hard_slots, lambda chosen: self._set_pins_tentatively(chosen, False))
                 if undo is None:
-                    slots = index.find_many(k0, k1)  # taking room may have reclaimed (moved, evicted) blocks
-                    flip = self._hard_slots(slots)
-                    targets = self._targets(flip)
                     undo = self._set_pins_tentatively(flip, False)
                 # else unpinned already: that is what let a region be reclaimed (the block may be gone)
                 appended = self._append_records([(fmt.KIND_UNPIN, k0_, k1_, fmt.NO_NAMESPACE, seq)
@@ -276,7 +277,8 @@ class PinsAndDeletes:
         self._set_pinned_in_memory(slots, pinned)
 
         def undo() -> None:
-            found = index.find_many(np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64))
+            found = index.find_many(np.array([k[0] for k in keys], np.uint64),
+                                    np.array([k[1] for k in keys], np.uint64))
             found = found[found >= 0]
             self._set_pinned_in_memory(found[((index.meta[found] & np.uint32(PINNED_BIT)) != 0) == pinned], not pinned)
         return undo
@@ -297,12 +299,56 @@ class PinsAndDeletes:
         index = self._index
         return list(zip(index.k0[slots].tolist(), index.k1[slots].tolist(), self._blocks.seqs_of(slots).tolist()))
 
-    def _room_for_records(self, count: int, apply: Callable[[], Callable[[], None]]) -> Callable[[], None] | None:
-        """Room for ``count`` records of a delete or unpin. With none to be had, the request's own
-        change is applied in memory first (``apply``, which returns its undo) and room is sought
-        again: dropping or unpinning blocks may be what lets a region be reclaimed. Returns that
-        undo (the change is applied), or None (room was found without it); if room cannot be had
-        either way, the change is undone and NoSpaceError raised."""
+    def _room_for_records(self, k0: np.ndarray, k1: np.ndarray, slots: np.ndarray, pick: Pick,
+                          apply: Callable[[np.ndarray], Callable[[], None]] | None = None) -> Chosen:
+        """Under the engine lock: room in the open region for one record per slot that ``pick``
+        chooses of the request's keys' index ``slots``, chosen again after each wait for room.
+        Taking room may let go of the lock, and meanwhile other requests may store, pin or unpin
+        keys of this one (a reclaim may move or evict their blocks): the records must all go to
+        the image open when they are appended (:func:`.take_back.mark_records`), so no more of
+        them may be chosen than there is room for. Room is taken for the count chosen; if the
+        keys chosen again outnumber it, once more for every distinct key named, which no choice
+        exceeds. Returns (slots, chosen, their targets, undo): undo is None unless a DELETE or
+        UNPIN found no room (``apply``, see :meth:`_room_with_change_applied`)."""
+        count, distinct = len(pick(slots)), None
+        while True:
+            try:
+                self._reserve_records(count)
+            except NoSpaceError:
+                if apply is None:
+                    raise
+                return self._room_with_change_applied(k0, k1, pick, apply)
+            slots = self._index.find_many(k0, k1)
+            chosen = pick(slots)
+            if self._allocator.appendable(0, len(chosen)):  # the lock held since room was taken
+                return slots, chosen, self._targets(chosen), None
+            assert distinct is None, f"{len(chosen)} records chosen from {distinct} distinct keys"
+            count = distinct = len(np.unique(np.stack([k0, k1], axis=1), axis=0))
+
+    def _room_with_change_applied(self, k0: np.ndarray, k1: np.ndarray, pick: Pick,
+                                  apply: Callable[[np.ndarray], Callable[[], None]]) -> Chosen:
+        """No room to be had for a DELETE's or UNPIN's records: its change is applied in memory
+        first (dropping or unpinning blocks may be what lets a region be reclaimed) to the slots
+        chosen now (the failed wait for room let go of the lock), and room is sought again for
+        exactly their records. If that fails too, the change is undone and the error raised."""
+        slots = self._index.find_many(k0, k1)
+        chosen = pick(slots)
+        targets = self._targets(chosen)
+        undo = apply(chosen)
+        try:
+            self._reserve_records(len(chosen))
+        except BaseException:
+            undo()
+            raise
+        return slots, chosen, targets, undo
+
+    def _room_for_count(self, count: int, apply: Callable[[], Callable[[], None]]) -> Callable[[], None] | None:
+        """Room for ``count`` records of a request that appends that many whatever changes meanwhile
+        (a namespace delete: one). With none to be had, its change is applied in memory first
+        (``apply``, which returns its undo) and room is sought again: dropping blocks may be what
+        lets a region be reclaimed. Returns that undo (the change is applied), or None (room was
+        found without it); if room cannot be had either way, the change is undone and
+        NoSpaceError raised."""
         try:
             self._reserve_records(count)
             return None
@@ -326,7 +372,8 @@ class PinsAndDeletes:
         self._blocks.forget(slots)
 
         def undo() -> None:
-            back = [row for row in kept if table.state[row[5]] != RegionState.FREE and int(table.base_seq[row[5]]) == row[6]]
+            back = [row for row in kept
+                    if table.state[row[5]] != RegionState.FREE and int(table.base_seq[row[5]]) == row[6]]
             if back:
                 absent = index.find_many(np.array([r[0] for r in back], np.uint64),
                                          np.array([r[1] for r in back], np.uint64)) < 0
@@ -350,6 +397,8 @@ class PinsAndDeletes:
     def _append_records(self, records: list[tuple], undo: Callable[[], None]) -> AppendedRecords:
         """Append (kind, k0, k1, ns, target_seq) records, room for them reserved and the change
         already applied in memory (``undo`` takes it back if appending raises)."""
+        assert self._allocator.reservation is None and self._allocator.appendable(0, len(records)), \
+            f"{len(records)} records to append, more than the room reserved: some would go to another region"
         appended = mark_records(self._allocator, self._table)
         with self._records_or_nothing(undo):
             self._durability.write_records(records)
