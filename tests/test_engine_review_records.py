@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvtier.common.blockformat import HEADER_SIZE
-from kvtier.daemon.engine import DeviceError, Engine, EngineConfig
+from kvtier.daemon.engine import DeviceError, Engine, EngineConfig, NoSpaceError
 from kvtier.daemon.engine import regionfmt as fmt
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
 from kvtier.daemon.engine.index import PINNED_BIT
@@ -154,3 +154,36 @@ def test_requests_append_one_record_per_distinct_key_changed_into_the_image_open
     restarted = Engine.open(cfg, devices=devs)  # killed: never closed
     assert present(restarted, range(12)) == [3, 5, 9, 11] and hard_pinned(restarted, range(12)) == [11]
     restarted.close()
+
+
+def test_a_namespace_delete_scans_its_blocks_again_after_a_wait_for_room_let_go_of_the_lock():
+    """A namespace delete on a store with no room scans the namespace's blocks, then waits for room
+    again (the lock let go) and, finding none, drops its blocks in memory first and tries once more.
+    A block of the namespace deleted by another client during that wait is no longer in the slot the
+    scan found: it must not be dropped twice, and the delete must count what it deleted."""
+    engine, _, _ = mem_engine(regions=6)
+    other = b"o" * 16
+    for i in range(8):
+        engine.put(block(i, 1000, ns=NS if i < 3 else other))
+    pins = engine._pins_and_deletes
+    reserve, calls = pins._reserve_records, []
+
+    def no_room_at_first(count):  # a store with no room until the namespace's blocks are dropped
+        calls.append(count)
+        if len(calls) == 1:
+            raise NoSpaceError("injected: no room")
+        if len(calls) == 2:  # the wait for room let go of the lock: another client deletes a block of it
+            assert engine.delete_many([key(0)]) == [True]
+            raise NoSpaceError("injected: no room")
+        return reserve(count)
+
+    pins._reserve_records = no_room_at_first
+    before = engine.statistics()
+    assert engine.delete_namespace(NS) == 2
+    pins._reserve_records = reserve
+    after = engine.statistics()
+    assert engine.failure is None and present(engine, range(8)) == list(range(3, 8))
+    assert [engine._blocks.deleted.contains(*fmt.key_to_halves(key(i))) for i in range(4)] == [True] * 3 + [False]
+    assert after.blocks == before.blocks - 3
+    assert after.bytes_stored == int(engine._table.live_bytes.sum()) == sum(len(block(i, 1000, ns=other))
+                                                                              for i in range(3, 8))

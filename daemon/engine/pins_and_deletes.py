@@ -152,12 +152,17 @@ class PinsAndDeletes:
                 roomy = True
             except NoSpaceError:
                 roomy = False
-            allocator.reap_seal(wait=True)
-            slots = self._namespace_slots(ns_id)
-            keys = list(zip(self._index.k0[slots].tolist(), self._index.k1[slots].tolist()))
-            undo = None if roomy else self._room_for_count(1, lambda: self._forget_tentatively(slots))
+            scanned: list[tuple[np.ndarray, list]] = []
+
+            def forget_scanned() -> Callable[[], None]:  # scanned where the lock was held since
+                allocator.reap_seal(wait=True)
+                slots = self._namespace_slots(ns_id)
+                scanned.append((slots, list(zip(self._index.k0[slots].tolist(), self._index.k1[slots].tolist()))))
+                return self._forget_tentatively(slots)
+            undo = None if roomy else self._room_for_count(1, forget_scanned)  # may let go of the lock
             if undo is None:
-                undo = self._forget_tentatively(slots)
+                undo = forget_scanned()
+            slots, keys = scanned[-1]
             k0, k1 = fmt.key_to_halves(ns_id)
             appended = self._append_records([(fmt.KIND_NS_TOMBSTONE, k0, k1, ns_id, self._seqs.next)], undo)
         self._commit_records(appended, undo)
