@@ -10,7 +10,14 @@ makes every rounding explicit so the results match quant_ref.py bit for bit:
 * inv = 1 / scale (IEEE), v = x * inv (``__fmul_rn``: no contraction);
 * int8/int4: ``rintf`` (half-even); fp8: ``f32_to_e4m3`` (RNE, input <= 448);
 * an fp32 scale is at least 2**-126 unless 0 (``KV_SCALE_F32_MIN``: its inverse is finite);
-* decode: ``__fmul_rn(q, scale)``, clamped to the output dtype's finite range, then RNE to it.
+* decode: ``mul_rn_hostnan(q, scale)`` (``__fmul_rn``; a NaN product is the one an x86 CPU's
+  multiply gives), clamped to the output dtype's finite range (NaN passes), then RNE to it;
+* NaN: e4m3 0x7F / 0xFF decode to the quiet NaN of their sign (as ml_dtypes); fp16 <-> fp32
+  conversions of NaN keep sign and payload, quieted (as F16C's vcvtph2ps / vcvtps2ph), not
+  the canonical NaN the PTX instructions may give.
+
+The two PTX fp16 conversions are one fragment (``F16_CVT_PTX``) that sees no NaN, so a
+test can build the rest of the source as host C++ with its own fp16 conversions.
 """
 from __future__ import annotations
 
@@ -37,12 +44,40 @@ __device__ __forceinline__ float clamp_{dt}(float f) {{
 }}
 """
 
-_COMMON = r"""
-__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+F16_CVT_PTX = r"""
+/* fp16 <-> fp32 of non-NaN values (exact / RNE); the callers below handle NaN themselves */
+__device__ __forceinline__ float f16_to_f32_cvt(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }
-__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+__device__ __forceinline__ unsigned short f32_to_f16_cvt(float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+"""
+
+_COMMON = r"""
+/* fp16 NaN -> fp32 NaN of the same sign and payload, quieted (as vcvtph2ps) */
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    unsigned int u = h;
+    if ((u & 0x7C00u) == 0x7C00u && (u & 0x3FFu) != 0u)
+        return __uint_as_float(((u & 0x8000u) << 16) | 0x7FC00000u | ((u & 0x3FFu) << 13));
+    return f16_to_f32_cvt(h);
+}
+/* fp32 NaN -> fp16 NaN of the same sign, top payload bits kept, quieted (as vcvtps2ph) */
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7E00u | ((u >> 13) & 0x3FFu));
+    return f32_to_f16_cvt(f);
+}
+/* a * b, IEEE RNE, not contracted; a NaN product is the one an x86 multiply (the host decoders) gives:
+   the first NaN operand, quieted, else (0 * inf) the default NaN 0xFFC00000. A GPU's own NaN is canonical. */
+__device__ __forceinline__ float mul_rn_hostnan(float a, float b) {
+    float p = __fmul_rn(a, b);
+    if (p == p) return p;
+    unsigned int ua = __float_as_uint(a), ub = __float_as_uint(b);
+    if ((ua & 0x7FFFFFFFu) > 0x7F800000u) return __uint_as_float(ua | 0x00400000u);
+    if ((ub & 0x7FFFFFFFu) > 0x7F800000u) return __uint_as_float(ub | 0x00400000u);
+    return __uint_as_float(0xFFC00000u);
 }
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -93,7 +128,9 @@ __device__ __forceinline__ unsigned char f32_to_e4m3(float v) {
     }
     return (unsigned char)(code | sign);
 }
+/* e4m3fn bits -> float, exact; 0x7F / 0xFF (e4m3fn's only NaNs) -> the quiet NaN of that sign, as ml_dtypes */
 __device__ __forceinline__ float e4m3_to_f32(unsigned char b) {
+    if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u | ((b & 0x80u) << 24));
     unsigned int e = (b >> 3) & 15u, m = b & 7u;
     float a = (e == 0) ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) ? -a : a;
@@ -133,7 +170,7 @@ extern "C" __global__ void kv_dequant_{kind}_{dt}(const {Q}* __restrict__ q, con
     long long r = rt / tokens;
     long long ng = (tokens + group - 1) / group;
     float s = read_scale_{sdt}(scales, (r * ng + t / group) * dim + d);
-    store_{dt}(out, idx, clamp_{dt}(__fmul_rn({UNCONVERT}, s)));
+    store_{dt}(out, idx, clamp_{dt}(mul_rn_hostnan({UNCONVERT}, s)));
 }}
 """
 
@@ -182,8 +219,8 @@ extern "C" __global__ void kv_dequant_int4_{dt}(const unsigned char* __restrict_
     signed char b = (signed char)q[idx];
     float lo = (float)((signed char)(b << 4) >> 4);
     float hi = (float)(b >> 4);
-    store_{dt}(out, 2 * idx, clamp_{dt}(__fmul_rn(lo, read_scale_{sdt}(scales, sidx))));
-    store_{dt}(out, 2 * idx + 1, clamp_{dt}(__fmul_rn(hi, read_scale_{sdt}(scales, sidx + 1))));
+    store_{dt}(out, 2 * idx, clamp_{dt}(mul_rn_hostnan(lo, read_scale_{sdt}(scales, sidx))));
+    store_{dt}(out, 2 * idx + 1, clamp_{dt}(mul_rn_hostnan(hi, read_scale_{sdt}(scales, sidx + 1))));
 }}
 """
 
@@ -220,7 +257,7 @@ def scale_code(dt: str) -> str:
 
 def codec_source() -> str:
     """All quantize/dequantize kernels: {int8, fp8, int4} x {f16, bf16, f32}."""
-    parts = [f"#define KV_SCALE_F32_MIN {_float_literal(SCALE_F32_MIN)}", _COMMON]
+    parts = [f"#define KV_SCALE_F32_MIN {_float_literal(SCALE_F32_MIN)}", F16_CVT_PTX, _COMMON]
     parts += [_CLAMP.format(dt=dt, MAX=_float_literal(KV_DTYPE_MAX[dt])) for dt in KV_DTYPES]
     for dt, ctype in KV_DTYPES.items():
         sdt = scale_code(dt)

@@ -15,7 +15,9 @@ A stored block is one contiguous buffer (what a codec encodes)::
 ``[n, num_layers, 2, num_kv_heads, block_size, head_size]``; ``scatter_blocks``
 writes them back. CPU tensors use torch (``index_select`` / ``index_copy_``,
 one call per layer, no loop over tokens); CUDA tensors use one CuPy kernel for
-all layers and blocks, copying 16-byte words where alignment allows.
+all layers and blocks, copying 16-byte words where alignment allows. The launch
+is asynchronous; the device arrays made for it (the layer-pointer table, the block
+ids) are held until the stream has run the kernel (launch_holds.py).
 """
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .cuda_sources import PAGED_WORDS, paged_kernel_names, paged_source
+from .launch_holds import LaunchHolds
 
 AXES = frozenset({"kv", "block", "token", "head", "dim"})
 CANONICAL = ("block", "kv", "head", "token", "dim")  # the order of a stored block (after the block axis)
 THREADS_PER_BLOCK = 256  # plain copy kernel; no shared memory
 MAX_LAYERS = 1024  # guards a corrupt layer list; far above any model
+LAUNCH_HOLDS = LaunchHolds()  # each CUDA launch's pointer table and ids, until its stream has run it
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,9 @@ def _run_cuda(op: str, layers: Sequence[Any], ids: Any, buf: Any, geo: PagedGeom
     assert name in paged_kernel_names(), name
     total = ids.numel() * geo.num_layers * 2 * geo.heads * geo.tokens * words
     blocks = (total + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK
-    with cupy.cuda.ExternalStream(torch_stream_ptr(layers[0])):
+    device = layers[0].device.index  # a CUDA tensor's device always has an index
+    stream = cupy.cuda.ExternalStream(torch_stream_ptr(layers[0]), device)
+    with cupy.cuda.Device(device), stream:
         ptrs = cupy.asarray(np.array([t.data_ptr() for t in layers], np.uint64))
         ids_dev = cupy.from_dlpack(ids)
         _module().get_function(name)(
@@ -178,6 +184,10 @@ def _run_cuda(op: str, layers: Sequence[Any], ids: Any, buf: Any, geo: PagedGeom
             (ptrs, np.uint64(buf.data_ptr()), ids_dev, np.int64(ids.numel()), np.int32(geo.num_layers),
              np.int32(geo.heads), np.int32(geo.tokens), np.int32(words), np.int64(strides["kv"]),
              np.int64(strides["block"]), np.int64(strides["head"]), np.int64(strides["token"])))
+        ran = cupy.cuda.Event(block=False, disable_timing=True)
+        ran.record(stream)
+    # the launch only queued the kernel: its pointer table and ids must outlive it on the stream
+    LAUNCH_HOLDS.hold(ran, (ptrs, ids_dev, ids))
 
 
 def torch_stream_ptr(t: Any) -> int:

@@ -322,7 +322,7 @@ def dequantize(q, kind, g, t_total, s16, s32, out_code, out16, out32):
                     ss[d] = s32[sr, d]
             clamp = False  # |q| <= qmax, fp32 rounding is monotonic: only a scale with qmax * s past fmax
             for d in range(d_total):  # can decode past the finite range (a channel at the top of it)
-                clamp = clamp or qmax * ss[d] > fmax
+                clamp = clamp or qmax * abs(ss[d]) > fmax
             t0 = r * t_total + gi * g
             t1 = r * t_total + min(t_total, (gi + 1) * g)
             for t in range(t0, t1):

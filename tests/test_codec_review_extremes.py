@@ -155,3 +155,25 @@ def test_the_most_negative_stored_value_decodes_finite(name, code, value, fused)
         HOST_BACKEND.fused = quant_numba.AVAILABLE
     assert np.isfinite(out.astype(np.float64)).all(), out[0, 0, :2]
     assert float(out[0, 0, 0]) == -float(np.finfo(FP16).max)
+
+
+@pytest.mark.parametrize("fused", _backends())
+def test_a_negative_scale_at_the_top_of_the_range_decodes_finite(fused):
+    """A payload whose channel scale is negative (no encoder of ours writes one) and large: the clamp
+    is decided on the scale's magnitude, so both host decoders give the range's end, not -inf."""
+    x = np.ones((1, 8, 8), np.float32).astype(FP16)
+    codec = get_codec("int8", group_tokens=4)
+    data = bytearray(codec.encode(x))
+    scales, q = codec.parse(data).views(data)
+    scales[...] = np.asarray(scales).dtype.type(1.0 / 127)
+    scales.reshape(-1)[0] = -60000.0  # channel 0 of the first group: 127 * 60000 is past fp16's range
+    out = np.empty_like(x)
+    HOST_BACKEND.fused = fused
+    try:
+        codec.decode(bytes(data), out)
+    finally:
+        from kvtier.kernels import quant_numba
+
+        HOST_BACKEND.fused = quant_numba.AVAILABLE
+    assert np.isfinite(out.astype(np.float64)).all(), out[0, :4, 0]
+    assert float(out[0, 0, 0]) == -float(np.finfo(FP16).max)
