@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_proc import start_kvtierd
+from token_daemon import TOKEN, token_daemon  # noqa: F401  (fixture)
 
 from kvtier.client import BlockClient
 from kvtier.common.blockformat import HEADER_SIZE, encode_block, payload_of
@@ -17,31 +17,21 @@ from kvtier.common.keys import KVLayout, Namespace
 from kvtier.daemon.engine import Engine, EngineConfig
 from kvtier.common.codec_ids import codec_id
 from kvtier.tools.admin_cli import main
+from kvtier.tools.admin_client import EXPECT_CONTINUE_BYTES_MIN
 
-TOKEN = "cli-test-token"
 NS = Namespace("cli-model", KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=2))
 NS_JSON = {"model": "cli-model", "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_tokens": 2}}
 VENV_BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    (root / "token").write_text(TOKEN)
-    d = start_kvtierd(root / "store", "--token-file", str(root / "token"), admin="127.0.0.1:0")
-    d.token_file = root / "token"
-    yield d
-    assert d.stop() == 0, d.log_tail()
-
-
 @pytest.fixture
-def kv(daemon, monkeypatch, capsys):
+def kv(token_daemon, monkeypatch, capsys):
     """Run the CLI in-process against the daemon; returns (exit code, stdout, stderr)."""
     for name in ("KVTIER_ADMIN", "KVTIER_TOKEN", "KVTIER_TOKEN_FILE", "KVTIER_CONFIG"):
         monkeypatch.delenv(name, raising=False)
 
     def run(*args: str, auth: bool = True):
-        base = ["--admin", daemon.admin_addr] + (["--token", TOKEN] if auth else [])
+        base = ["--admin", token_daemon.admin_addr] + (["--token", TOKEN] if auth else [])
         code = main(base + list(args))
         out, err = capsys.readouterr()
         return code, out, err
@@ -49,11 +39,11 @@ def kv(daemon, monkeypatch, capsys):
     return run
 
 
-def test_status_human_and_json(kv, daemon):
+def test_status_human_and_json(kv, token_daemon):
     code, out, _ = kv("status")
     assert code == 0
     assert "ready" in out and "regions" in out and "hit ratio" in out
-    assert f"data port   {daemon.data_addr}" in out
+    assert f"data port   {token_daemon.data_addr}" in out
     code, out, _ = kv("--json", "status")
     doc = json.loads(out)
     assert doc["ready"] is True and doc["health"]["status"] == "ok"
@@ -76,22 +66,33 @@ def test_put_get_info_roundtrip(kv, tmp_path):
     assert code == 0 and "region" in out and "pinned" in out
 
 
-def test_get_to_stdout_and_whole_block(tmp_path, capsysbinary, daemon):
+def test_a_put_large_enough_to_wait_for_100_continue_is_stored(kv, tmp_path):
+    key = "44" * 16
+    src = tmp_path / "large.bin"
+    src.write_bytes(os.urandom(EXPECT_CONTINUE_BYTES_MIN + 1000))  # still below a region
+    code, out, err = kv("put", key, str(src))
+    assert code == 0 and f"stored {src.stat().st_size + HEADER_SIZE} bytes" in out, err
+    code, _, err = kv("get", key, "-o", str(tmp_path / "back.bin"))
+    assert code == 0 and (tmp_path / "back.bin").read_bytes() == src.read_bytes(), err
+
+
+def test_get_to_stdout_and_whole_block(tmp_path, capsysbinary, token_daemon):
     key = bytes(range(16))
     block = encode_block(key, NS.id, codec_id("raw"), b"stdout payload")
-    with BlockClient(daemon.data_addr, token=TOKEN) as client:
+    with BlockClient(token_daemon.data_addr, token=TOKEN) as client:
         client.put(key, block)
-    assert main(["--admin", daemon.admin_addr, "--token", TOKEN, "get", key.hex()]) == 0
+    assert main(["--admin", token_daemon.admin_addr, "--token", TOKEN, "get", key.hex()]) == 0
     assert capsysbinary.readouterr().out == b"stdout payload"
     out = tmp_path / "block.bin"
-    assert main(["--admin", daemon.admin_addr, "--token", TOKEN, "get", key.hex(), "--block", "-o", str(out)]) == 0
+    assert main(["--admin", token_daemon.admin_addr, "--token", TOKEN, "get", key.hex(), "--block",
+                 "-o", str(out)]) == 0
     assert bytes(payload_of(out.read_bytes())) == b"stdout payload"
     # a whole block file goes back in as is
     other = bytes(range(1, 17))
     (tmp_path / "other.bin").write_bytes(encode_block(other, NS.id, 0, b"prebuilt"))
-    assert main(["--admin", daemon.admin_addr, "--token", TOKEN, "put", other.hex(), str(tmp_path / "other.bin"),
+    assert main(["--admin", token_daemon.admin_addr, "--token", TOKEN, "put", other.hex(), str(tmp_path / "other.bin"),
                  "--block"]) == 0
-    with BlockClient(daemon.data_addr, token=TOKEN) as client:
+    with BlockClient(token_daemon.data_addr, token=TOKEN) as client:
         assert bytes(payload_of(client.get(other))) == b"prebuilt"
 
 
@@ -102,10 +103,10 @@ def test_get_of_a_missing_key_fails_clearly(kv):
     assert code == 1 and "not stored" in out
 
 
-def test_lookup_pin_unpin_by_namespace_and_tokens(kv, tmp_path, daemon):
+def test_lookup_pin_unpin_by_namespace_and_tokens(kv, tmp_path, token_daemon):
     tokens = list(range(40, 48))  # 4 blocks
     keys = NS.keys(tokens)
-    with BlockClient(daemon.data_addr, token=TOKEN) as client:
+    with BlockClient(token_daemon.data_addr, token=TOKEN) as client:
         for key in keys[:3]:
             client.put(key, encode_block(key, NS.id, 0, b"x" * 100))
     ns_file = tmp_path / "ns.json"
@@ -124,9 +125,9 @@ def test_lookup_pin_unpin_by_namespace_and_tokens(kv, tmp_path, daemon):
     assert code == 0 and "2 of 2 blocks unpinned" in out
 
 
-def test_evict_forms(kv, daemon):
+def test_evict_forms(kv, token_daemon):
     keys = [bytes([i]) * 16 for i in range(3)]
-    with BlockClient(daemon.data_addr, token=TOKEN) as client:
+    with BlockClient(token_daemon.data_addr, token=TOKEN) as client:
         for key in keys:
             client.put(key, encode_block(key, NS.id, 0, b"evict me"))
     code, out, _ = kv("evict", keys[0].hex())
@@ -148,7 +149,7 @@ def test_stats_and_config(kv):
     assert json.loads(out)["token_file"] == "<set>"
 
 
-def test_devices_map(kv, daemon):
+def test_devices_map(kv, token_daemon):
     code, out, _ = kv("--json", "devices", "--map")
     device_map = json.loads(out)
     assert code == 0 and len(device_map) == 4
@@ -159,20 +160,20 @@ def test_devices_map(kv, daemon):
     assert code == 0 and all(dev in out for dev in device_map) and "stripe" in out
 
 
-def test_auth_errors_and_token_sources(kv, daemon, monkeypatch, tmp_path, capsys):
+def test_auth_errors_and_token_sources(kv, token_daemon, monkeypatch, tmp_path, capsys):
     code, _, err = kv("stats", auth=False)
     assert code == 1 and "HTTP 401" in err and "Authorization" in err
-    assert main(["--admin", daemon.admin_addr, "--token", "nope", "stats"]) == 1
+    assert main(["--admin", token_daemon.admin_addr, "--token", "nope", "stats"]) == 1
     assert "wrong token" in capsys.readouterr().err
     # environment
-    monkeypatch.setenv("KVTIER_ADMIN", daemon.admin_addr)
-    monkeypatch.setenv("KVTIER_TOKEN_FILE", str(daemon.token_file))
+    monkeypatch.setenv("KVTIER_ADMIN", token_daemon.admin_addr)
+    monkeypatch.setenv("KVTIER_TOKEN_FILE", str(token_daemon.token_file))
     assert main(["--json", "stats"]) == 0
     capsys.readouterr()
     monkeypatch.delenv("KVTIER_TOKEN_FILE")
     # the config file names the admin address and the token file
     conf = tmp_path / "kvtierd.toml"
-    conf.write_text(f'admin = "{daemon.admin_addr}"\ntoken_file = "{daemon.token_file}"\n')
+    conf.write_text(f'admin = "{token_daemon.admin_addr}"\ntoken_file = "{token_daemon.token_file}"\n')
     monkeypatch.delenv("KVTIER_ADMIN")
     assert main(["--config", str(conf), "--json", "status"]) == 0
     assert json.loads(capsys.readouterr().out)["ready"] is True
@@ -198,11 +199,11 @@ def test_usage_errors_and_unreachable_daemon(kv, capsys, tmp_path):
     assert main(["--admin", "nonsense", "status"]) == 2
 
 
-def test_console_script_runs(daemon):
+def test_console_script_runs(token_daemon):
     script = VENV_BIN / "kvtier"
     if not script.exists():
         pytest.skip("the kvtier console script is not installed (pip install -e .)")
-    result = subprocess.run([str(script), "--admin", daemon.admin_addr, "--token", TOKEN, "--json", "status"],
+    result = subprocess.run([str(script), "--admin", token_daemon.admin_addr, "--token", TOKEN, "--json", "status"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ready"] is True
@@ -290,8 +291,8 @@ def test_a_bad_token_file_is_a_usage_error_naming_it(tmp_path, capsys):
         assert str(path) in err and fragment in err
 
 
-def test_fsck_of_a_store_a_running_kvtierd_holds_is_not_run(daemon, capsys):
-    devices = sorted(daemon.data_dir.glob("device*.img"))
+def test_fsck_of_a_store_a_running_kvtierd_holds_is_not_run(token_daemon, capsys):
+    devices = sorted(token_daemon.data_dir.glob("device*.img"))
     code = main(["fsck", *[arg for path in devices for arg in ("--device", str(path))]])
     assert code == 8 and "in use" in capsys.readouterr().err
 

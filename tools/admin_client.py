@@ -8,19 +8,29 @@ Used by the ``kvtier`` CLI; usable from scripts::
 Errors come back as :class:`AdminError` carrying the HTTP status and the
 server's JSON message; a daemon that does not answer is an :class:`AdminError`
 with status 0 naming the address.
+
+A large body (``EXPECT_CONTINUE_BYTES_MIN`` or more) is sent the way RFC 9110 section 10.1.1
+describes: the headers with ``Expect: 100-continue`` first, the body only once the daemon
+says ``100 Continue``. A request the daemon refuses before reading its body (a bad token, a
+body over the limit) gets its answer instead, and no byte of the body is sent. A server that
+closes the connection while the body is still being sent has its answer read all the same.
 """
 from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
+import re
+import socket
 from typing import Any
 
 from kvtier.common.addresses import ADMIN_PORT_DEFAULT, format_address, parse_address
 
 REQUEST_TIMEOUT_S = 30.0  # evicting a namespace on a large store can take a while
 DEFAULT_ADMIN_ADDRESS = format_address("127.0.0.1", ADMIN_PORT_DEFAULT)
+EXPECT_CONTINUE_BYTES_MIN = 1 << 20  # as curl: below this the extra round trip costs more than a refusal does
+CONTINUE_WAIT_S = 1.0  # a server that ignores Expect stays silent; send the body after this (RFC 9110 10.1.1)
+CONTINUE_STATUS = re.compile(rb"HTTP/1\.[01] 100 ")
+STATUS_PREFIX_BYTES = len(b"HTTP/1.1 100 ")
 
 
 class AdminError(Exception):
@@ -39,6 +49,7 @@ class AdminClient:
         host, port = parse_address(address, what="admin address")
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"  # a wildcard bind is reachable on loopback
+        self._host, self._port = host, port
         self.address = format_address(host, port)
         self.base_url = f"http://{self.address}"
         self._token = token
@@ -57,18 +68,18 @@ class AdminClient:
             headers["Content-Type"] = "application/json"
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
         try:
-            with urllib.request.urlopen(req, timeout=self._timeout_s) as resp:
-                payload = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise _error_from_response(exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise AdminError(0, f"cannot reach the kvtierd admin API at {self.address}: {reason}") from None
+            status, payload = self._exchange(conn, method, path, headers, data)
+        except OSError as exc:
+            raise AdminError(0, f"cannot reach the kvtierd admin API at {self.address}: {exc}") from None
         except http.client.HTTPException as exc:  # a peer that does not speak HTTP (a data port, say)
             raise AdminError(0, f"{self.address} did not answer as the kvtierd admin API does: "
                                 f"{type(exc).__name__}") from None
+        finally:
+            conn.close()
+        if not 200 <= status < 300:
+            raise _error_from_response(status, payload)
         if not expect_json:
             return payload
         try:
@@ -76,6 +87,37 @@ class AdminClient:
         except ValueError:
             raise AdminError(0, f"{self.address} answered {method} {path} with something other than "
                                 "JSON: is it the kvtierd admin API?") from None
+
+    def _exchange(self, conn: http.client.HTTPConnection, method: str, path: str, headers: dict,
+                  data: bytes | None) -> tuple[int, bytes]:
+        """Send one request and read its answer: (status, body)."""
+        expect_continue = data is not None and len(data) >= EXPECT_CONTINUE_BYTES_MIN
+        conn.putrequest(method, path)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        if data is not None:
+            conn.putheader("Content-Length", str(len(data)))
+        if expect_continue:
+            conn.putheader("Expect", "100-continue")
+        conn.endheaders()
+        if data is not None and (not expect_continue or not _answered_before_the_body(conn.sock, conn.timeout)):
+            try:
+                conn.send(data)
+            except (BrokenPipeError, ConnectionResetError) as exc:  # it answered and closed: read that answer
+                return self._answer_after_a_cut_body(conn, len(data), exc)
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    def _answer_after_a_cut_body(self, conn: http.client.HTTPConnection, size_bytes: int,
+                                 cut: OSError) -> tuple[int, bytes]:
+        """The answer a server sent before it closed the connection on a body it would not read."""
+        try:
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            raise AdminError(0, f"{self.address} closed the connection while the {size_bytes}-byte request body "
+                                f"was being sent ({cut.strerror or cut}) and gave no answer: it may refuse a body "
+                                "that large") from None
 
     # -- endpoints -------------------------------------------------------------------
     def healthz(self) -> dict:
@@ -131,11 +173,24 @@ class AdminClient:
         return self.request("POST", "/v1/evict", request)
 
 
-def _error_from_response(exc: urllib.error.HTTPError) -> AdminError:
-    raw = exc.read()
+def _answered_before_the_body(sock: socket.socket, timeout_s: float | None) -> bool:
+    """After headers with ``Expect: 100-continue``: True when the server has given its final answer
+    already (the body is not to be sent). False when it said ``100 Continue`` (``getresponse`` skips
+    that head later), stayed silent ``CONTINUE_WAIT_S``, or sent too little yet to tell."""
+    sock.settimeout(CONTINUE_WAIT_S)
+    try:
+        status = sock.recv(STATUS_PREFIX_BYTES, socket.MSG_PEEK)  # left in place for getresponse
+    except TimeoutError:
+        return False
+    finally:
+        sock.settimeout(timeout_s)
+    return len(status) == STATUS_PREFIX_BYTES and not CONTINUE_STATUS.match(status)
+
+
+def _error_from_response(status: int, raw: bytes) -> AdminError:
     try:
         body = json.loads(raw)
         message = body.get("message") or body.get("detail") or raw.decode(errors="replace")
     except (ValueError, AttributeError):
-        body, message = {}, raw.decode(errors="replace") or exc.reason
-    return AdminError(exc.code, f"HTTP {exc.code}: {message}", body if isinstance(body, dict) else {})
+        body, message = {}, raw.decode(errors="replace") or http.client.responses.get(status, "error")
+    return AdminError(status, f"HTTP {status}: {message}", body if isinstance(body, dict) else {})

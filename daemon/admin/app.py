@@ -23,8 +23,8 @@ GET      /metrics                     Prometheus text exposition (or OpenMetrics
 GET      /openapi.json, /docs, /redoc OpenAPI document, Swagger UI, ReDoc (auth like the rest)
 =======  ===========================  =================================================
 
-Every error is JSON (:mod:`.errors`); auth is :mod:`.auth`, applied before a body is read by
-:mod:`.gate`, which also bounds the body; the health, stats,
+Every error is JSON (:mod:`.errors`); auth is :mod:`.auth`, applied by :mod:`.gate` alone
+(no route repeats it), before a body is read; the gate also bounds the body. The health, stats,
 config and metrics routes are :mod:`.routes`, the block routes :mod:`.blocks`.
 Block routes answer 503 while the daemon is not ready (starting, or draining
 on SIGTERM).
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI, HTTPException
 
-from kvtier.daemon.admin.auth import make_auth_dependency
 from kvtier.daemon.admin.blocks import blocks_router
 from kvtier.daemon.admin.docs import docs_router
 from kvtier.daemon.admin.errors import install_error_handlers
@@ -51,17 +50,17 @@ def build_app(view: AdminStateView) -> FastAPI:
                   description="Health, statistics, per-block info, pin/unpin, evict, config and "
                               "Prometheus metrics of one kvtierd storage node.")
     install_error_handlers(app, on_internal_error=lambda reason: view.engine.fail(reason))
-    app.add_middleware(RequestGate, view=view)  # auth and the body limit, before a body is read
-    auth = [Depends(make_auth_dependency(view))]
+    app.add_middleware(RequestGate, view=view)  # auth and the body limit, for every route, before a body is read
 
     def require_ready() -> None:
         if not view.ready():
             raise HTTPException(503, "kvtierd is not ready (starting, recovering or shutting down)")
 
-    app.include_router(node_router(view, auth))
-    app.include_router(blocks_router(view, auth + [Depends(require_ready)]))
-    app.include_router(keys_router(view, auth + [Depends(require_ready)]))
-    app.include_router(kv_events_router(view, auth + [Depends(require_ready)]))
-    app.include_router(preplace_router(view, auth + [Depends(require_ready)]))
-    app.include_router(docs_router(app, auth))  # /openapi.json, /docs, /redoc: the token too
+    ready = [Depends(require_ready)]
+    app.include_router(node_router(view))
+    app.include_router(blocks_router(view, ready))
+    app.include_router(keys_router(view, ready))
+    app.include_router(kv_events_router(view, ready))
+    app.include_router(preplace_router(view, ready))
+    app.include_router(docs_router(app))  # /openapi.json, /docs, /redoc: behind the gate like the rest
     return app

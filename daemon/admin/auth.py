@@ -4,6 +4,9 @@
   /readyz carries ``Authorization: Bearer <token>`` — the data port's token. The
   token is read per request, so a SIGHUP reload takes effect at once.
 * No token: only loopback clients are served.
+
+:class:`.gate.RequestGate` applies this to every request, before its body is read; no route
+checks it again.
 """
 from __future__ import annotations
 
@@ -39,14 +42,3 @@ def auth_refusal(view: AdminStateView, request: Request) -> HTTPException | None
     if not view.check_token(presented.strip()):
         return HTTPException(401, "wrong token", headers={"WWW-Authenticate": "Bearer"})
     return None
-
-
-def make_auth_dependency(view: AdminStateView):
-    """A FastAPI dependency that raises 401/403 for a request that may not pass."""
-
-    def require_auth(request: Request) -> None:
-        refusal = auth_refusal(view, request)
-        if refusal is not None:
-            raise refusal
-
-    return require_auth

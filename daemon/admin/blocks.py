@@ -1,7 +1,8 @@
 """Block routes of the admin API: per-key info and data, lookup, pin/unpin, evict.
 
 Engine calls run in FastAPI's worker threads (plain ``def`` routes, or
-``run_in_threadpool``), never on the event loop; the engine is thread-safe.
+``run_in_threadpool``), never on the event loop; the engine is thread-safe. Auth and the
+size of an upload are settled by :mod:`.gate` before a route runs.
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from kvtier.daemon.admin.errors import error_response
 from kvtier.daemon.admin.models import EvictRequest, KeySelection, PinSelection, key_from_hex
 from kvtier.daemon.admin.view import AdminStateView
 from kvtier.common.codec_ids import codec_name
-
-BLOCK_UPLOAD_BYTES_MAX = 1 << 30  # a block must fit one region; regions are at most this big
 
 
 def key_or_400(key_hex: str) -> bytes:
@@ -34,20 +33,6 @@ def _codec_label(codec_id: int) -> str:
         return codec_name(codec_id)
     except ValueError:
         return f"unknown({codec_id:#x})"
-
-
-async def read_body_capped(request: Request, limit_bytes: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit_bytes``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise HTTPException(413, f"body of {declared} bytes is over the limit of {limit_bytes} bytes "
-                                 "(the largest block a region holds)")
-    chunks = bytearray()
-    async for chunk in request.stream():
-        chunks += chunk
-        if len(chunks) > limit_bytes:
-            raise HTTPException(413, f"body is over the limit of {limit_bytes} bytes")
-    return bytes(chunks)
 
 
 def blocks_router(view: AdminStateView, dependencies: list) -> APIRouter:
@@ -76,7 +61,7 @@ def blocks_router(view: AdminStateView, dependencies: list) -> APIRouter:
     async def put_block(key_hex: str, request: Request, durable: bool = Query(False)):
         """Store one block (the body: header + payload, built by the client; verified here)."""
         key = key_or_400(key_hex)
-        body = await read_body_capped(request, min(BLOCK_UPLOAD_BYTES_MAX, view.engine.block_size_max_bytes))
+        body = await request.body()  # bounded by the gate: one region at most
         try:
             verify_block(body, expected_key=key)
         except BlockFormatError as exc:

@@ -1,9 +1,9 @@
 """The OpenAPI document and the interactive docs, behind the same auth as the API.
 
-FastAPI serves ``/openapi.json``, ``/docs`` and ``/redoc`` without any
-dependency; the app turns those off and mounts these instead, so a daemon with a
-token answers them only to a request that carries it (and, without a token,
-only to loopback clients, like every other route).
+FastAPI's own ``/openapi.json``, ``/docs`` and ``/redoc`` are turned off and these
+mounted instead, behind the gate (:mod:`.gate`) like every other route: a daemon with a
+token answers them only to a request that carries it (and, without a token, only to
+loopback clients).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from fastapi.responses import HTMLResponse, JSONResponse
 OPENAPI_PATH = "/openapi.json"
 
 
-def docs_router(app: FastAPI, auth: list) -> APIRouter:
-    """Routes for the OpenAPI document, Swagger UI and ReDoc, each behind ``auth``."""
-    router = APIRouter(dependencies=auth, include_in_schema=False)
+def docs_router(app: FastAPI) -> APIRouter:
+    """Routes for the OpenAPI document, Swagger UI and ReDoc (left out of the document)."""
+    router = APIRouter(include_in_schema=False)
 
     @router.get(OPENAPI_PATH)
     def openapi() -> JSONResponse:

@@ -2,7 +2,8 @@
 
 HTTP errors, request validation failures and engine exceptions all pass
 through here, so a client always gets a machine-readable kind and a message
-that names the problem.
+that names the problem. A client that leaves in the middle of its body is its own
+doing: a 400 nobody reads, never an internal error (which fails the engine closed).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvtier.daemon.engine.errors import DeviceError, EngineError, EngineFailedError, NoSpaceError
 
@@ -45,6 +47,12 @@ def install_error_handlers(app: FastAPI, on_internal_error: Callable[[str], None
         for name, value in (getattr(exc, "headers", None) or {}).items():
             response.headers[name] = value
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect):  # the client's doing, not the daemon's
+        log.info("admin request %s %s: the client closed the connection before its whole body came",
+                 request.method, request.url.path)
+        return error_response(400, "the connection closed before the whole request body came")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

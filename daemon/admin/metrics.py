@@ -42,6 +42,8 @@ _ENGINE_COUNTERS = (
     ("device_errors", "kvtier_device_errors", "Device read/write/sync failures."),
     ("corrupt_reads", "kvtier_corrupt_reads", "Reads whose header or CRC did not verify (served as misses)."),
     ("pins_refused", "kvtier_pins_refused", "PINs refused at the pinned-bytes limit (pinned_fraction_max)."),
+    ("puts_skipped_deleted", "kvtier_puts_skipped_deleted",
+     "Blocks of copies (read-repair, re-replication) not stored: deleted here lately."),
     ("soft_pins_expired", "kvtier_soft_pins_expired", "Soft pins (PIN with a TTL) that ran out."),
     ("clean_region_waits", "kvtier_clean_region_waits", "Writers that found the clean-region pool empty and waited."),
     ("clean_region_wait_seconds", "kvtier_clean_region_wait_seconds", "Seconds writers waited for a clean region."),

@@ -1,7 +1,7 @@
 """Admin routes about the node itself: health, readiness, statistics, config, devices, metrics.
 
-Health and readiness answer without auth (probes); the others take the
-``auth`` dependencies :func:`node_router` is given.
+Health and readiness answer without auth (probes: ``.auth.PUBLIC_PATHS``); the gate
+(:mod:`.gate`) asks every other request for the token.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvtier.daemon.admin.stats import stats_document
 from kvtier.daemon.admin.view import AdminStateView
 
 
-def node_router(view: AdminStateView, auth: list) -> APIRouter:
+def node_router(view: AdminStateView) -> APIRouter:
     router = APIRouter()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(KvtierCollector(view))
@@ -33,24 +33,24 @@ def node_router(view: AdminStateView, auth: list) -> APIRouter:
             return error_response(503, "not ready: starting, recovering or shutting down", ready=False)
         return {"status": "ready", "ready": True}
 
-    @router.get("/v1/stats", dependencies=auth, tags=["stats"])
+    @router.get("/v1/stats", tags=["stats"])
     def stats() -> dict:
         """Engine, data server, per-tier and per-namespace figures (one snapshot each)."""
         return stats_document(view)
 
-    @router.get("/v1/config", dependencies=auth, tags=["config"])
+    @router.get("/v1/config", tags=["config"])
     def config() -> dict:
         """The effective configuration (file, then flags), secrets redacted."""
         return view.redacted_config()
 
-    @router.get("/v1/devices", dependencies=auth, tags=["config"])
+    @router.get("/v1/devices", tags=["config"])
     def devices() -> dict:
         """Each device's id and local path in stripe order, and the stripe geometry:
         the map a client on this host (or with the same NVMe-oF namespaces) gives
         KVCache for direct reads."""
         return view.devices()
 
-    @router.get("/metrics", dependencies=auth, tags=["stats"], response_class=Response)
+    @router.get("/metrics", tags=["stats"], response_class=Response)
     def metrics(request: Request):
         """Prometheus text exposition (OpenMetrics when the scraper asks for it),
         read from statistics() snapshots at scrape time."""
