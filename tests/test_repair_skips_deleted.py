@@ -4,6 +4,7 @@ and a real kvtierd."""
 from __future__ import annotations
 
 import struct
+import urllib.request
 
 from daemon_proc import start_kvtierd
 from kvtier.client import BlockClient
@@ -40,7 +41,7 @@ def test_a_skip_deleted_put_crosses_the_wire_with_its_flag():
 
 
 def test_a_daemon_declines_a_repair_of_a_key_it_deleted_and_serves_everyone_else(tmp_path):
-    daemon = start_kvtierd(tmp_path)
+    daemon = start_kvtierd(tmp_path, admin="127.0.0.1:0")
     try:
         with BlockClient(daemon.data_addr) as client:
             assert p.FEATURE_PUT_SKIP_DELETED in client.server_info()["features"]
@@ -50,6 +51,9 @@ def test_a_daemon_declines_a_repair_of_a_key_it_deleted_and_serves_everyone_else
             assert seqs[0] == 0 and min(seqs[1:]) > 0
             assert [b is not None for b in client.get_many([key(i) for i in (1, 2, 3)])] == [False, True, True]
             assert client.stats()["engine"]["puts_skipped_deleted"] == 1
+        with urllib.request.urlopen(f"http://{daemon.admin_addr}/metrics", timeout=10) as reply:
+            assert "kvtier_puts_skipped_deleted_total 1.0" in reply.read().decode()
+        with BlockClient(daemon.data_addr) as client:
             assert client.put_many([(key(1), block(1))])[0] > 0
             assert same_block(client.get(key(1)), block(1))
     finally:
