@@ -44,6 +44,18 @@ def _round_trip(name, x, fused):
     return out, np.asarray(scales, np.float64)
 
 
+def host_decode(fused: bool, codec, data: bytes, out: np.ndarray) -> np.ndarray:
+    """``codec.decode(data, out)`` by the fused (numba) host decoder or the NumPy one."""
+    from kvtier.kernels import quant_numba
+
+    HOST_BACKEND.fused = fused
+    try:
+        codec.decode(data, out)
+    finally:
+        HOST_BACKEND.fused = quant_numba.AVAILABLE
+    return out
+
+
 def _per_element_bound(name, scales, out):
     """``[B, T, D]`` bound of each element from the ``[B, ng, D]`` scales (group_tokens 4)."""
     step = E4M3_STEP_MAX if name == "fp8" else 1.0
@@ -145,14 +157,7 @@ def test_the_most_negative_stored_value_decodes_finite(name, code, value, fused)
     scales, q = codec.parse(data).views(data)
     assert float(np.asarray(scales, np.float64)[0, 0, 0]) * (qmax + 1) > float(np.finfo(FP16).max)
     q.view(np.uint8).reshape(-1)[0] = code  # channel 0 of token 0 (and, for int4, channel 1)
-    out = np.empty_like(x)
-    HOST_BACKEND.fused = fused
-    try:
-        codec.decode(bytes(data), out)
-    finally:
-        from kvtier.kernels import quant_numba
-
-        HOST_BACKEND.fused = quant_numba.AVAILABLE
+    out = host_decode(fused, codec, bytes(data), np.empty_like(x))
     assert np.isfinite(out.astype(np.float64)).all(), out[0, 0, :2]
     assert float(out[0, 0, 0]) == -float(np.finfo(FP16).max)
 
@@ -167,13 +172,6 @@ def test_a_negative_scale_at_the_top_of_the_range_decodes_finite(fused):
     scales, q = codec.parse(data).views(data)
     scales[...] = np.asarray(scales).dtype.type(1.0 / 127)
     scales.reshape(-1)[0] = -60000.0  # channel 0 of the first group: 127 * 60000 is past fp16's range
-    out = np.empty_like(x)
-    HOST_BACKEND.fused = fused
-    try:
-        codec.decode(bytes(data), out)
-    finally:
-        from kvtier.kernels import quant_numba
-
-        HOST_BACKEND.fused = quant_numba.AVAILABLE
+    out = host_decode(fused, codec, bytes(data), np.empty_like(x))
     assert np.isfinite(out.astype(np.float64)).all(), out[0, :4, 0]
     assert float(out[0, 0, 0]) == -float(np.finfo(FP16).max)

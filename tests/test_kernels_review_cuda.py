@@ -26,10 +26,11 @@ import torch
 
 from cuda_reason import cuda_skip_reason
 from kvtier.kernels import get_codec, paged, quant_numba
-from kvtier.kernels.codec import HOST_BACKEND
 from kvtier.kernels.cuda_sources import F16_CVT_PTX, codec_kernel_names, codec_source
 from kvtier.kernels.launch_holds import HoldStatistics, LaunchHolds
 from kvtier.kernels.quant_ref import num_groups
+
+from test_codec_review_extremes import host_decode as decode_on_host
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
@@ -196,13 +197,7 @@ def every_code_payload(kind: str, dtype: np.dtype) -> bytes:
 
 def cpu_decode(kind: str, payload: bytes, dtype: np.dtype, fused: bool) -> np.ndarray:
     codec = get_codec(kind)
-    out = np.empty(codec.parse(payload).header.shape, dtype)
-    HOST_BACKEND.fused = fused
-    try:
-        codec.decode(payload, out)
-    finally:
-        HOST_BACKEND.fused = quant_numba.AVAILABLE
-    return out
+    return decode_on_host(fused, codec, payload, np.empty(codec.parse(payload).header.shape, dtype))
 
 
 def cpu_backends() -> list[bool]:
