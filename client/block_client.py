@@ -126,7 +126,11 @@ class ClientBase:
     @property
     def _reader_verifies(self) -> bool:
         """The daemon lets a reader that checks payload CRCs itself skip its own check."""
-        return self._info is not None and p.FEATURE_GET_READER_VERIFIES in self._info.get("features", ())
+        return self._offers(p.FEATURE_GET_READER_VERIFIES)
+
+    def _offers(self, feature: str) -> bool:
+        """Whether the daemon's HELLO (once one came) lists ``feature``."""
+        return self._info is not None and feature in self._info.get("features", ())
 
     def _cannot_connect(self, exc: Exception) -> p.ConnectionLost:
         return p.ConnectionLost(f"cannot connect to kvtierd at {self._host}:{self._port}: {exc}")
@@ -398,7 +402,7 @@ class BlockClient(ClientBase):
         items = list(items)
         if repair and self._info is None:
             self.ping()  # learn the features first
-        skip = repair and p.FEATURE_PUT_SKIP_DELETED in self._info.get("features", ())
+        skip = repair and self._offers(p.FEATURE_PUT_SKIP_DELETED)
         return self._call(lambda: ops.op_put_many(items, durable, ns_id, self.limits, skip))
 
     def get(self, key, ns_id: bytes | None = None, copy: bool = True) -> bytes | None:
@@ -441,7 +445,7 @@ class BlockClient(ClientBase):
     @property
     def has_upstream(self) -> bool:
         """The daemon answers misses from an upstream and says per block where it came from."""
-        return self._info is not None and p.FEATURE_UPSTREAM in self._info.get("features", ())
+        return self._offers(p.FEATURE_UPSTREAM)
 
     def _origins_list(self, origins: list | None, count: int) -> list | None:
         """``origins`` to fill from the reply where the daemon reports them, else filled with False now."""
