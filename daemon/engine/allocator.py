@@ -62,7 +62,8 @@ class Allocator:
         self.open = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
         # a full region is written by the sealer thread from its image while appends fill the spare
         self._spare: OpenRegion | None = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
-        self.image_buffers = (self.open.buffer, self._spare.buffer)  # the two images trade places, never change
+        # the two images trade places; one changes only when a reservation is abandoned (move_open_image)
+        self.image_buffers = (self.open.buffer, self._spare.buffer)
         self.sealing: tuple[OpenRegion, list, Future | None] | None = None
         self._header_write: tuple[list, Future] | None = None  # a region header queued behind the seal
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")
@@ -87,6 +88,21 @@ class Allocator:
         """The reservation was committed or aborted (called under the lock)."""
         self.reservation = None
         self._unreserved.notify_all()
+
+    def move_open_image(self) -> memoryview:
+        """Move the open region's image to a fresh buffer that holds all of it but the reservation's
+        room (zero there, as free room is), and return the old buffer: something that may still
+        write into that room (a transfer a release does not stop) then lands where nothing reads.
+        Called under the lock with the reservation in flight, so no append, seal or reset races the
+        copy; a commit still writing from the old buffer writes the same bytes as the new one holds."""
+        image, reservation = self.open, self.reservation
+        assert self.active and reservation is not None and reservation.offset == image.data_end
+        fresh = aligned_buffer(self._region_size, populate=True, huge=True)
+        fresh[:image.data_end] = image.buffer[:image.data_end]
+        fresh[image.summary_start:] = image.buffer[image.summary_start:]
+        old, image.buffer = image.buffer, fresh
+        self.image_buffers = tuple(fresh if buffer is old else buffer for buffer in self.image_buffers)
+        return old
 
     @property
     def capacity_bytes(self) -> int:
