@@ -49,7 +49,9 @@ def test_nixl_metrics_appear_once_the_agent_exists_and_count_what_moved(tmp_path
         assert m[("kvtier_nixl_transferred_bytes_total", (("op", "write"),))] >= 3 * LAYOUT.block_raw_bytes
         assert m[("kvtier_nixl_failures_total", ())] == 0 and m[("kvtier_nixl_timeouts_total", ())] == 0
         assert m[("kvtier_nixl_gets_peer_gone_total", ())] == m[("kvtier_nixl_writes_parked_total", ())] == 0
-        assert m[("kvtier_nixl_parked_writes", ())] == m[("kvtier_nixl_parked_bytes", ())] == 0
+        assert m[("kvtier_nixl_reads_parked_total", ())] == m[("kvtier_nixl_refused_parked_total", ())] == 0
+        assert m[("kvtier_nixl_parked_transfers", ())] == m[("kvtier_nixl_parked_bytes", ())] == 0
+        assert m[("kvtier_nixl_put_images_abandoned_total", ())] == 0
         assert m[("kvtier_nixl_fixed_bytes", ())] > 0  # the open-region images, registered for NIXL_PUT
     finally:
         assert d.stop() == 0, d.log_tail()

@@ -48,8 +48,8 @@ class _AgentWhoseReadCannotBeReleased:
     def register_fixed(self, images) -> None:
         pass
 
-    def transfer(self, peer: str, request_id: int, op: str = "WRITE"):
-        inner = Transfer(self._real, peer, request_id, op)
+    def transfer(self, peer: str, request_id: int, op: str = "WRITE", hold=None):
+        inner = Transfer(self._real, peer, request_id, op, hold)
         inner._handles.append(_StillInFlight())
         return inner
 

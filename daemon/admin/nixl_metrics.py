@@ -5,11 +5,13 @@ made the daemon create its agent.
 * transfers     ``kvtier_nixl_transfers_total{op="write"|"read"}`` (NIXL_GET WRITEs, NIXL_PUT READs)
   and ``kvtier_nixl_transferred_bytes_total{op}``
 * failures      ``kvtier_nixl_failures_total``, ``kvtier_nixl_timeouts_total`` (TRANSFER_TIMEOUT_S)
-* NIXL_PUT      ``kvtier_nixl_put_blocks_total{path="in_place"|"copied"}``
+* NIXL_PUT      ``kvtier_nixl_put_blocks_total{path="in_place"|"copied"}``,
+  ``kvtier_nixl_put_images_abandoned_total``
 * GET           ``kvtier_nixl_blocks_from_device_memory_total``
 * the agent     ``kvtier_nixl_peers``, ``kvtier_nixl_registered_bytes``, ``kvtier_nixl_info{transport,ucx_tls}``
-* late WRITEs   ``kvtier_nixl_gets_peer_gone_total``, ``kvtier_nixl_writes_parked_total``,
-  ``kvtier_nixl_parked_writes``, ``kvtier_nixl_parked_bytes``
+* late transfers ``kvtier_nixl_gets_peer_gone_total``, ``kvtier_nixl_writes_parked_total``,
+  ``kvtier_nixl_reads_parked_total``, ``kvtier_nixl_parked_transfers``, ``kvtier_nixl_parked_bytes``,
+  ``kvtier_nixl_refused_parked_total`` (PARKED_BYTES_PER_PEER_MAX)
 """
 from __future__ import annotations
 
@@ -33,9 +35,13 @@ _SINGLE = (
      "NIXL_GETs ended unanswered, nothing more posted: their client had shut down its side."),
     ("writes_parked", "kvtier_nixl_writes_parked", CounterMetricFamily,
      "WRITEs given up on while in flight, held (not released) until NIXL ended them."),
-    ("parked_now", "kvtier_nixl_parked_writes", GaugeMetricFamily, "Parked WRITEs NIXL has not ended yet."),
+    ("reads_parked", "kvtier_nixl_reads_parked", CounterMetricFamily,
+     "NIXL_PUT READs given up on while in flight, held (with the memory they write) until NIXL ended them."),
+    ("parked_now", "kvtier_nixl_parked_transfers", GaugeMetricFamily, "Parked WRITEs and READs NIXL has not ended yet."),
     ("parked_bytes", "kvtier_nixl_parked_bytes", GaugeMetricFamily,
-     "Source buffers parked WRITEs hold out of use now."),
+     "Daemon memory parked transfers hold out of use now (request buffers, open-region images)."),
+    ("refused_parked", "kvtier_nixl_refused_parked", CounterMetricFamily,
+     "NIXL requests refused BUSY: their client's parked transfers held PARKED_BYTES_PER_PEER_MAX."),
 )
 
 
@@ -61,3 +67,6 @@ def nixl_families(stats: dict) -> Iterable[Metric]:
         puts.add_metric(["in_place"], stats["put_blocks_in_place"])
         puts.add_metric(["copied"], stats["put_blocks_copied"])
         yield puts
+        yield CounterMetricFamily("kvtier_nixl_put_images_abandoned",
+                                  "Open-region images moved away from a NIXL_PUT READ given up on in flight.",
+                                  value=stats["put_images_abandoned"])

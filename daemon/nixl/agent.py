@@ -13,10 +13,13 @@ used registration not in use is dropped. The cache holds a reference to each
 registered buffer, so memory NIXL knows of is never freed under it. Memory-backed
 devices are registered once, for the agent's life (:meth:`DaemonAgent.register_fixed`).
 A NIXL_GET's WRITEs are one :class:`Transfer`, posted part by part, none once the client has
-shut down its side of the connection (:class:`NixlPeerGone`). A NIXL release does not stop a
-transfer in flight, so a WRITE given up on while a part is still in flight is *parked* instead of
-released: its handles, registrations and source buffers are held until NIXL says every part ended
-(checked whenever a transfer is made or statistics are read), then released and given back.
+shut down its side of the connection (:class:`NixlPeerGone`); a NIXL_PUT's READs are another. A NIXL
+release does not stop a transfer in flight, so one given up on while a part is still in flight is
+*parked* instead of released: its handles, registrations and the memory it reads (a WRITE's source
+buffers) or writes (a READ's landing room) are held until NIXL says every part ended (checked
+whenever a transfer is made or statistics are read), then released and given back. What one client
+has parked is :meth:`DaemonAgent.parked_bytes_of` it; the service posts nothing more for a client
+over its limit.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from kvtier.wire.nixl_frames import part_notification
 log = logging.getLogger("kvtier.daemon.nixl")
 
 TRANSFER_TIMEOUT_S = 5.0  # a WRITE not DONE by then is abandoned (a dead or stalled client): 256 MiB at 50 MB/s
+PARKED_POLL_S = 0.002  # how often parked transfers are checked while a request waits for them to end
 REGISTERED_BYTES_MAX = 2 << 30  # daemon buffers kept registered: every arena (512 MiB) and idle transient buffer
 
 
@@ -98,8 +102,9 @@ class AgentStatistics:
     failures: int
     timeouts: int
     writes_parked: int  # WRITEs given up on while in flight: held, not released, until NIXL ended them
-    parked_now: int  # of those, not ended yet: their source buffers stay out of use
-    parked_bytes: int  # the source buffers they hold (arenas, transient buffers)
+    reads_parked: int  # READs (a NIXL_PUT's) given up on while in flight, held the same way
+    parked_now: int  # of those, not ended yet: the memory they read or write stays out of use
+    parked_bytes: int  # the memory they hold (arenas, transient buffers, open-region images)
 
 
 class DaemonAgent:
@@ -127,7 +132,7 @@ class DaemonAgent:
         self._parked: list[tuple[Transfer, Callable[[], None], int]] = []  # (transfer, give back its sources, bytes)
         self._reaping = threading.Lock()  # one thread checks the parked transfers at a time
         self._writes = self._bytes_written = self._reads = self._bytes_read = self._failures = self._timeouts = 0
-        self._writes_parked = 0
+        self._parked_counts = {"WRITE": 0, "READ": 0}
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -158,6 +163,14 @@ class DaemonAgent:
             log.info("event=nixl_peer_remove_failed agent=%s error=%s", name, exc)
 
     # -- registration ---------------------------------------------------------
+    def deregister_fixed(self, buffer) -> None:
+        """Forget a buffer :meth:`register_fixed` registered (a retired open-region image), once no
+        transfer may touch it any more."""
+        with self._lock:
+            entry = self._fixed.pop((buffer_address(buffer), memoryview(buffer).nbytes), None)
+            if entry is not None:
+                self._agent.deregister_memory(entry[1], backends=["UCX"])
+
     def register_fixed(self, buffers) -> None:
         """Register buffers that outlive the agent (memory-backed devices) once, for good: WRITEs may
         then name any address inside them without registering anything per transfer. A buffer
@@ -210,9 +223,9 @@ class DaemonAgent:
     # -- transfers ------------------------------------------------------------
     def transfer(self, peer: str, request_id: int, op: str = "WRITE", hold=None, peer_gone=None) -> "Transfer":
         """The WRITEs of one NIXL_GET to ``peer`` (or with ``op="READ"`` the READs of one NIXL_PUT
-        from it, not notified): posted part by part, then waited for. ``hold()``: take the transfer's
-        source buffers from their owner, returning ``(give_back, nbytes)``; given, a transfer left with
-        a part in flight is parked. ``peer_gone()``: whether the client gave the request up."""
+        from it, not notified): posted part by part, then waited for. ``hold()``: take the memory the
+        transfer reads or writes from its owner, returning ``(give_back, nbytes)``; given, a transfer
+        left with a part in flight is parked. ``peer_gone()``: whether the client gave the request up."""
         self.reap_parked()
         return Transfer(self, peer, request_id, op, hold, peer_gone)
 
@@ -220,8 +233,22 @@ class DaemonAgent:
         with self._lock:
             self._parked.append((transfer, give_back, nbytes))
             self._peers[transfer.peer] = self._peers.get(transfer.peer, 0) + 1  # unloaded once it has ended
-            self._writes_parked += 1
-        log.warning("event=nixl_write_parked agent=%s request=%d bytes=%d", transfer.peer, transfer.request_id, nbytes)
+            self._parked_counts[transfer.op] += 1
+        log.warning("event=nixl_transfer_parked op=%s agent=%s request=%d bytes=%d", transfer.op, transfer.peer,
+                    transfer.request_id, nbytes)
+
+    def parked_bytes_of(self, peer: str, below: int | None = None, settle_s: float = 0.0) -> int:
+        """The memory the parked transfers of client agent ``peer`` hold, after reaping those that
+        ended. With ``below``: while that is ``below`` or more, reap again for up to ``settle_s``
+        (a client waiting for a reply progresses its agent, which ends what it left in flight)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            self.reap_parked()
+            with self._lock:
+                held = sum(nbytes for transfer, _, nbytes in self._parked if transfer.peer == peer)
+            if below is None or held < below or time.monotonic() >= deadline:
+                return held
+            threading.Event().wait(PARKED_POLL_S)  # NIXL tells nothing: its state is polled
 
     def reap_parked(self) -> None:
         """Release the parked transfers NIXL has ended (no part in flight) and give their sources back."""
@@ -241,8 +268,8 @@ class DaemonAgent:
                     self._parked.remove((transfer, give_back, nbytes))
                 give_back()
                 self.remove_peer(transfer.peer)
-                log.info("event=nixl_write_unparked agent=%s request=%d bytes=%d", transfer.peer,
-                         transfer.request_id, nbytes)
+                log.info("event=nixl_transfer_unparked op=%s agent=%s request=%d bytes=%d", transfer.op,
+                         transfer.peer, transfer.request_id, nbytes)
         finally:
             self._reaping.release()
 
@@ -265,7 +292,8 @@ class DaemonAgent:
                                    sum(k[1] for k in self._registered), len(self._fixed),
                                    sum(k[1] for k in self._fixed), self._writes, self._bytes_written,
                                    self._reads, self._bytes_read, self._failures, self._timeouts,
-                                   self._writes_parked, len(self._parked), sum(e[2] for e in self._parked))
+                                   self._parked_counts["WRITE"], self._parked_counts["READ"], len(self._parked),
+                                   sum(e[2] for e in self._parked))
 
 
 class Transfer:
@@ -274,13 +302,13 @@ class Transfer:
     NIXL_PUT (``op="READ"``: ``local`` is where the bytes land, ``remote`` where they are read, and
     nothing is notified). Leaving the ``with`` block releases every handle, and the buffers
     registered for it once none is still in flight; with ``hold``, one left with a part in flight
-    is parked instead (:meth:`DaemonAgent.reap_parked` releases it once NIXL has ended it)."""
+    (a WRITE may still read its sources, a READ write into its landing room) is parked instead (:meth:`DaemonAgent.reap_parked` releases it once NIXL has ended it)."""
 
     def __init__(self, agent: DaemonAgent, peer: str, request_id: int, op: str = "WRITE", hold=None,
                  peer_gone=None):
         assert op in ("WRITE", "READ"), op
         self._owner, self._agent = agent, agent._agent
-        self.peer, self.request_id, self._op = peer, request_id, op
+        self.peer, self.request_id, self.op = peer, request_id, op
         self._hold, self._peer_gone = hold, peer_gone
         self._handles: list = []
         self._keys: list = []
@@ -305,8 +333,8 @@ class Transfer:
                                        f"{self.request_id} is not written")
                 local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.local], "DRAM")
                 remote_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in part.remote], "DRAM")
-                notification = part_notification(self.request_id, part.ranges) if self._op == "WRITE" else b""
-                self._handles.append(self._agent.initialize_xfer(self._op, local_descs, remote_descs, self.peer,
+                notification = part_notification(self.request_id, part.ranges) if self.op == "WRITE" else b""
+                self._handles.append(self._agent.initialize_xfer(self.op, local_descs, remote_descs, self.peer,
                                                                  notification))
                 state = self._agent.transfer(self._handles[-1])
                 if state not in ("PROC", "DONE"):
@@ -316,12 +344,12 @@ class Transfer:
             raise
         except Exception as exc:
             self._owner._count(failures=1)
-            raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} could not be posted: "
+            raise NixlTransferError(f"NIXL {self.op} {self._direction} {self.peer} could not be posted: "
                                     f"{type(exc).__name__}: {exc}") from None
 
     @property
     def _direction(self) -> str:
-        return "to" if self._op == "WRITE" else "from"
+        return "to" if self.op == "WRITE" else "from"
 
     def wait(self) -> None:
         """Until every part posted is DONE (NixlTransferError: one failed, or not all were done within
@@ -333,22 +361,22 @@ class Transfer:
                 states = [self._agent.check_xfer_state(h) for h in pending]
             except Exception as exc:  # NIXL's own errors (a peer gone): this transfer failed, the daemon serves on
                 self._owner._count(failures=1)
-                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} failed: "
+                raise NixlTransferError(f"NIXL {self.op} {self._direction} {self.peer} failed: "
                                         f"{type(exc).__name__}: {exc}") from None
             if any(state not in ("PROC", "DONE") for state in states):
                 self._owner._count(failures=1)
-                raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} failed "
+                raise NixlTransferError(f"NIXL {self.op} {self._direction} {self.peer} failed "
                                         f"(states {sorted(set(states))})")
             pending = [h for h, state in zip(pending, states) if state == "PROC"]
             if pending:
                 if time.monotonic() > deadline:
                     self._owner._count(timeouts=1)
-                    raise NixlTransferError(f"NIXL {self._op} {self._direction} {self.peer} not done within "
+                    raise NixlTransferError(f"NIXL {self.op} {self._direction} {self.peer} not done within "
                                             f"{self._owner._timeout_s} s (TRANSFER_TIMEOUT_S)", timed_out=True)
                 os.sched_yield()  # a busy machine: let the peer (and its progress) run between polls
         self._done = True
         if self._handles:
-            self._owner._count(self._op, transfers=1, nbytes=self._bytes)
+            self._owner._count(self.op, transfers=1, nbytes=self._bytes)
 
     def in_flight(self) -> bool:
         """Whether a part posted may still move (NIXL says PROC); one NIXL cannot tell about has ended."""
@@ -381,5 +409,5 @@ class Transfer:
             self._owner._release(self._keys)
         else:  # its buffers stay registered (in use) for good
             raise NixlTransferNotReleased(
-                f"a NIXL {self._op} {self._direction} {self.peer} (request {self.request_id}) could not be "
-                f"released: it may still {'write into' if self._op == 'READ' else 'read'} the memory it was given")
+                f"a NIXL {self.op} {self._direction} {self.peer} (request {self.request_id}) could not be "
+                f"released: it may still {'write into' if self.op == 'READ' else 'read'} the memory it was given")

@@ -14,9 +14,17 @@ The two open-region images are registered with the daemon's agent once, on the f
 When no reservation can be had (another one in flight too long, a key already stored), the
 blocks are READ into the request's buffer and stored the copying way (``Engine.put_many``).
 A request refused or failed at any step stores nothing: a reservation is aborted (its room
-zeroed and given back) before the error goes out. A READ that failed and that NIXL cannot
-release may still write where it was pointed: the engine then fails closed instead, and the
-daemon exits to be restarted, so neither that room nor that buffer takes another block.
+zeroed and given back) before the error goes out. A NIXL release does not stop a READ in flight,
+so a READ given up on (timed out, failed) with a part still in flight may write where it was
+pointed later. It is parked (:meth:`DaemonAgent.reap_parked`) with the memory it may write:
+
+* in place, the open region's image: the engine moves the open region to a fresh image and gives
+  the room back there (:meth:`Engine.abandon_put`); the old image is held until NIXL has ended
+  the READ. At most ``IMAGES_ABANDONED_MAX`` are held: past that, PUTs are received the copying way;
+* copied, the request's buffer, taken from the session (:meth:`RequestBuffers.hand_over`).
+
+A READ that NIXL cannot release at all fails the engine closed, and the daemon exits to be
+restarted, so neither that room nor that buffer takes another block.
 """
 from __future__ import annotations
 
@@ -31,6 +39,9 @@ from kvtier.wire import connection as p
 from kvtier.wire import events as m
 
 log = logging.getLogger("kvtier.daemon.nixl")
+
+IMAGES_ABANDONED_MAX = 2  # old open-region images (a region each) held for READs still in flight: a stalled client's
+# cost; past it, NIXL_PUTs are received into request buffers, which the service's per-client limit bounds
 
 
 class PutRefused(ValueError):
@@ -50,8 +61,10 @@ class NixlPuts:
         self._buffers = buffers
         self._limits = limits
         self._lock = threading.Lock()
-        self._images_registered: bool | None = None
+        self._images_refused = False  # NIXL refused to register an open-region image: PUTs are copied
+        self._images_held = 0  # old images held for READs still in flight (IMAGES_ABANDONED_MAX)
         self.in_place = self.copied = 0  # blocks stored each way
+        self.images_abandoned = 0  # open images moved away from a READ given up on in flight
 
     def check(self, msg: m.NixlPut, regions: ClientRegions) -> list[int]:
         """Each item's block length (PutRefused names what is refused)."""
@@ -80,7 +93,7 @@ class NixlPuts:
             return self._put_copied(msg, peer_agent, lengths, session)
         cancelled = True
         try:
-            self._read(msg, peer_agent, reservation.view)
+            self._read(msg, peer_agent, reservation.view, hold=lambda: self._abandon(reservation))
             seqs = self._engine.commit_put(reservation, durable=msg.durable)
         except NixlTransferNotReleased:
             cancelled = False  # the room stays reserved: the engine failed closed
@@ -95,7 +108,7 @@ class NixlPuts:
     def _put_copied(self, msg: m.NixlPut, peer_agent: str, lengths: list[int], session) -> list[int]:
         buffer = self._buffers.reply_buffer(session, sum(lengths))  # given back once the reply is sent
         landed = buffer[:sum(lengths)]
-        self._read(msg, peer_agent, landed, registered=[buffer])
+        self._read(msg, peer_agent, landed, registered=[buffer], hold=lambda: self._buffers.hand_over(session))
         blocks, at = [], 0
         for index, (key, length) in enumerate(zip(msg.keys, lengths)):
             block = landed[at:at + length]
@@ -111,9 +124,10 @@ class NixlPuts:
             self.copied += len(seqs)
         return seqs
 
-    def _read(self, msg: m.NixlPut, peer_agent: str, into: memoryview, registered=()) -> None:
+    def _read(self, msg: m.NixlPut, peer_agent: str, into: memoryview, hold, registered=()) -> None:
         """READ every item's extents, in order, into ``into`` (back to back), as one part: nothing is
-        notified, so nothing is gained by cutting it."""
+        notified, so nothing is gained by cutting it. ``hold()``: take the memory ``into`` lies in
+        out of use, for a READ parked in flight (``(give_back, nbytes)``)."""
         part, at = Part(), buffer_address(into)
         for index, extents in enumerate(msg.extents):
             offset = 0
@@ -121,20 +135,40 @@ class NixlPuts:
                 part.add(index, offset, at, address, length)
                 at, offset = at + length, offset + length
         try:
-            with self._agent.transfer(peer_agent, msg.request_id, op="READ") as transfer:
+            with self._agent.transfer(peer_agent, msg.request_id, op="READ", hold=hold) as transfer:
                 transfer.post([part], registered)
                 transfer.wait()
         except NixlTransferNotReleased as exc:  # neither the open region nor a pooled buffer may take its bytes
             self._engine.fail(f"{exc}; the daemon stops without reusing that memory (a restart recovers from flash)")
             raise
 
-    def _images_usable(self) -> bool:
+    def _abandon(self, reservation) -> tuple:
+        """The hold of an in-place READ parked in flight: the open region moves to a fresh image, and
+        the old one is kept (registered) until NIXL has ended the READ."""
+        old = self._engine.abandon_put(reservation)
         with self._lock:
-            if self._images_registered is None:
-                try:
-                    self._agent.register_fixed(self._engine.put_images())
-                    self._images_registered = True
-                except NixlTransferError as exc:
-                    log.warning("event=nixl_put_images_refused error=%s", exc)
-                    self._images_registered = False
-            return self._images_registered
+            self._images_held += 1
+            self.images_abandoned += 1
+        log.warning("event=nixl_put_image_abandoned bytes=%d held=%d", old.nbytes, self._images_held)
+        self._images_usable()  # the fresh image is registered before a NIXL_PUT lands in it
+
+        def give_back() -> None:
+            self._agent.deregister_fixed(old)
+            with self._lock:
+                self._images_held -= 1
+
+        return give_back, old.nbytes
+
+    def _images_usable(self) -> bool:
+        """Whether a NIXL_PUT may be READ into the open region: both images registered (the first
+        NIXL_PUT registers them, and the one that replaces an abandoned image), and not too many
+        abandoned ones held."""
+        with self._lock:
+            if self._images_refused or self._images_held >= IMAGES_ABANDONED_MAX:
+                return False
+            try:
+                self._agent.register_fixed(self._engine.put_images())
+            except NixlTransferError as exc:
+                log.warning("event=nixl_put_images_refused error=%s", exc)
+                self._images_refused = True
+            return not self._images_refused

@@ -36,6 +36,11 @@ from kvtier.daemon.nixl.puts import NixlPuts, PutRefused
 log = logging.getLogger("kvtier.daemon.nixl")
 
 READERS = 4  # NIXL_GETs whose blocks are read from flash at once (each by one thread, while its connection sends)
+PARKED_BYTES_PER_PEER_MAX = 64 << 20  # daemon memory one client's transfers left in flight may hold (a region image,
+# or four arenas) before nothing more is posted for it: a client that never lets its transfers end cannot spend the
+# request buffers (512 MiB of arenas) of everyone else
+PARKED_SETTLE_S = 0.5  # a request over that waits this long for them to end first: its client progresses its agent
+# while it waits for the reply, which ends a transfer it left in flight while it was stalled
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class NixlService:
         self._buffers = None  # the request buffers a parked WRITE's sources go back to
         self._blocks_from_memory = 0
         self._gets_peer_gone = 0  # NIXL_GETs whose client gave them up before everything was posted
+        self._refused_parked = 0  # requests refused BUSY: their client had PARKED_BYTES_PER_PEER_MAX parked
         self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvtier-nixl-read")
 
     @property
@@ -90,9 +96,10 @@ class NixlService:
             return {}
         with self._lock:
             puts = {} if self._puts is None else {"put_blocks_in_place": self._puts.in_place,
-                                                  "put_blocks_copied": self._puts.copied}
+                                                  "put_blocks_copied": self._puts.copied,
+                                                  "put_images_abandoned": self._puts.images_abandoned}
             return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory,
-                    "gets_peer_gone": self._gets_peer_gone, **puts}
+                    "gets_peer_gone": self._gets_peer_gone, "refused_parked": self._refused_parked, **puts}
 
     def bind(self, gets, stats, engine=None, buffers=None, limits: p.Limits | None = None) -> None:
         """The data server's GET replies, statistics recorder, engine, request buffers and limits
@@ -144,6 +151,14 @@ class NixlService:
         if msg.agent_name != peer.agent_name:
             return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"{op} names agent {msg.agent_name!r}; this "
                                 f"connection loaded {peer.agent_name!r}")
+        held = self._agent.parked_bytes_of(peer.agent_name, PARKED_BYTES_PER_PEER_MAX, PARKED_SETTLE_S)
+        if held >= PARKED_BYTES_PER_PEER_MAX:
+            with self._lock:
+                self._refused_parked += 1
+            return self._refuse(msg, p.ErrorCode.BUSY, f"{op} refused, nothing posted: agent {peer.agent_name!r} "
+                                f"still holds {held} bytes of this daemon's memory in transfers it has not let end "
+                                f"(PARKED_BYTES_PER_PEER_MAX {PARKED_BYTES_PER_PEER_MAX}); it is served again once "
+                                f"NIXL has ended them (its agent progressing)")
         return None
 
     def _put(self, msg: m.NixlPut, session):
@@ -182,7 +197,7 @@ class NixlService:
         to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], _destination(msg, i))
                      for i, block in enumerate(in_memory) if block is not None]
         lengths = [0 if block is None else block.length for block in in_memory]
-        hold = None if self._buffers is None else lambda: self._hold_sources(session)
+        hold = None if self._buffers is None else lambda: self._buffers.hand_over(session)
         gone = None
         try:
             with self._agent.transfer(peer.agent_name, msg.request_id, hold=hold,
@@ -219,24 +234,6 @@ class NixlService:
             with self._lock:
                 self._blocks_from_memory += len(to_memory)
         return m.NixlGetReply(msg.request_id, tuple(lengths))
-
-    def _hold_sources(self, session):
-        """Take the request's buffers (its arena, its transient buffers and their room) from the session, for a
-        WRITE parked with them: ``(give back, bytes held)``."""
-        arena, session.get_arena = session.get_arena, None
-        transient, session.transient_buffers = session.transient_buffers, []
-        room, session.transient_bytes = session.transient_bytes, 0
-        arenas = self._buffers.arenas
-
-        def give_back() -> None:
-            if arena is not None:
-                arenas.release(arena)
-            for buffer in transient:
-                arenas.give_transient_buffer(buffer)
-            if room:
-                arenas.release_transient(room)
-
-        return give_back, (0 if arena is None else arena.nbytes) + sum(b.nbytes for b in transient)
 
     def _write(self, msg: m.NixlGet, session, transfer, lengths: list[int], copied: list[int],
                to_memory: list) -> None:

@@ -8,6 +8,8 @@ once its reply went out.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from kvtier.daemon.engine import BlockTooLargeError
 from kvtier.daemon.server.arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server.session import Session
@@ -89,6 +91,25 @@ class RequestBuffers:
             arena, session.get_arena = session.get_arena, None
             self.arenas.release(arena)
         self.release_transient(session)
+
+    def hand_over(self, session: Session) -> tuple[Callable[[], None], int]:
+        """Take what this request holds (its arena, its transient buffers and their room) from the
+        session, for a caller that must keep it out of use past the reply (a NIXL transfer still in
+        flight): ``(give_back, bytes held)``; ``give_back()`` returns it all to the pool."""
+        arena, session.get_arena = session.get_arena, None
+        transient, session.transient_buffers = session.transient_buffers, []
+        room, session.transient_bytes = session.transient_bytes, 0
+        arenas = self.arenas
+
+        def give_back() -> None:
+            if arena is not None:
+                arenas.release(arena)
+            for buffer in transient:
+                arenas.give_transient_buffer(buffer)
+            if room:
+                arenas.release_transient(room)
+
+        return give_back, (0 if arena is None else arena.nbytes) + sum(b.nbytes for b in transient)
 
     def _session_arena(self, session: Session) -> memoryview | None:
         """The arena this request borrowed, borrowing one if it has none (None: all lent)."""
