@@ -302,7 +302,8 @@ class Transfer:
     NIXL_PUT (``op="READ"``: ``local`` is where the bytes land, ``remote`` where they are read, and
     nothing is notified). Leaving the ``with`` block releases every handle, and the buffers
     registered for it once none is still in flight; with ``hold``, one left with a part in flight
-    (a WRITE may still read its sources, a READ write into its landing room) is parked instead (:meth:`DaemonAgent.reap_parked` releases it once NIXL has ended it)."""
+    (a WRITE may still read its sources, a READ write into its landing room) is parked instead
+    (:meth:`DaemonAgent.reap_parked` releases it once NIXL has ended it)."""
 
     def __init__(self, agent: DaemonAgent, peer: str, request_id: int, op: str = "WRITE", hold=None,
                  peer_gone=None):

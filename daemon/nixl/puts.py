@@ -10,7 +10,8 @@
                                                header, key and CRC checked where the bytes landed; commit
                            <---------------    reply: seqs (durable: on flash and synced first)
 
-The two open-region images are registered with the daemon's agent once, on the first NIXL_PUT.
+The two open-region images are registered with the daemon's agent on the first NIXL_PUT (and an image
+that replaces one, below).
 When no reservation can be had (another one in flight too long, a key already stored), the
 blocks are READ into the request's buffer and stored the copying way (``Engine.put_many``).
 A request refused or failed at any step stores nothing: a reservation is aborted (its room
