@@ -17,15 +17,18 @@ import pytest
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (pip install 'kvtier[nixl]')")
 
+from nixl_daemon import start_misbehaving_peer  # noqa: E402
 from test_nixl_transport import LOOPBACK_ENV, NS, put_blocks, start_nixl_daemon  # noqa: E402
 from kvtier.client import BlockClient  # noqa: E402
 from kvtier.client.nixl_transport import NixlFetchFailed, NixlTransport  # noqa: E402
 from kvtier.common.blockformat import encode_block  # noqa: E402
+from kvtier.daemon.nixl.puts import IMAGES_ABANDONED_MAX  # noqa: E402
 
 os.environ.update(LOOPBACK_ENV)
 PAYLOAD_BYTES = (8 << 20) - 64  # one block: far more than the socket buffers hold
 DRAIN_S = 3.0  # both agents progressed this long: what the READ left on its way lands
 POLL_S = 0.01
+STALL_WAIT_S = 20.0  # the daemon's TRANSFER_TIMEOUT_S (5 s), with room on a loaded machine
 
 
 @pytest.fixture
@@ -128,3 +131,48 @@ def test_a_put_read_given_up_on_keeps_its_request_buffer_until_nixl_ends_it(daem
             assert client.stats()["buffers"]["lent"] == 0
     finally:
         transport.close()
+
+
+def _wait_for(addr: str, field: str, value: int) -> dict:
+    deadline = time.monotonic() + STALL_WAIT_S
+    while (stats := _nixl_stats(addr)).get(field) != value:  # a STATS read also reaps what has ended
+        assert time.monotonic() < deadline, f"{field} stayed {stats.get(field)}, not {value}: {stats}"
+        threading.Event().wait(0.1)
+    return stats
+
+
+def test_images_held_for_stopped_clients_are_bounded_and_given_back_when_those_clients_die(daemon):
+    """Each client stopped mid NIXL_PUT holds one old open-region image; past IMAGES_ABANDONED_MAX,
+    NIXL_PUTs are read into request buffers and copied; a client that dies ends its READ."""
+    children = []
+    try:
+        for i in range(IMAGES_ABANDONED_MAX):
+            children.append(start_misbehaving_peer(daemon.data_addr, "put-stop", NS, [bytes([0xa0, i]) * 8],
+                                                   [PAYLOAD_BYTES + 64]))
+            _wait_for(daemon.data_addr, "put_images_abandoned", i + 1)
+        assert _nixl_stats(daemon.data_addr)["parked_now"] == IMAGES_ABANDONED_MAX
+        transport = NixlTransport(daemon.data_addr, timeout_s=60.0)
+        try:
+            before = _nixl_stats(daemon.data_addr)
+            key = bytes([0xa8]) * 16
+            block = encode_block(key, NS, 0, os.urandom(1 << 20))
+            transport.put_many([(key, block)], ns_id=NS)
+            after = _nixl_stats(daemon.data_addr)
+            assert after["put_blocks_copied"] == before["put_blocks_copied"] + 1
+            assert after["put_blocks_in_place"] == before["put_blocks_in_place"]
+            for child in children:  # its READ fails with its endpoint: the image it held is given back
+                child.kill()
+                child.wait()
+            _wait_for(daemon.data_addr, "parked_now", 0)
+            key = bytes([0xa9]) * 16
+            transport.put_many([(key, encode_block(key, NS, 0, os.urandom(1 << 20)))], ns_id=NS)
+            assert _nixl_stats(daemon.data_addr)["put_blocks_in_place"] == after["put_blocks_in_place"] + 1
+        finally:
+            transport.close()
+        with BlockClient(daemon.data_addr) as client:
+            assert bytes(client.get(bytes([0xa8]) * 16))[64:] == block[64:]
+            assert all(client.get(bytes([0xa0, i]) * 8) is None for i in range(IMAGES_ABANDONED_MAX))
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
