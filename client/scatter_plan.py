@@ -13,6 +13,15 @@ buffer of their own and are returned as ordinary blocks. Each landed block is ch
 where it lies: its header, its key, and the payload CRC over the head scratch's codec
 header and the target views, in order (:func:`verify_landed`). The codec header's
 bytes are the caller's to check (:class:`LandedBlock`).
+
+The payload CRC is folded as the bytes come in: the reader reports how much of the reply
+has arrived (:meth:`ScatterPlan.landed`) and each landed block's CRC is extended over
+those bytes while they are still in the cache; the check once the reply is in folds what
+no report covered and compares (:meth:`ScatterPlan.payload_crc`)::
+
+    reply payload   [ head0 | t0,0 t0,1 ... t0,511 | head1 | ... ]
+    received        [==== recv 1 ====][==== recv 2 ====][= recv 3 ...
+    folded          crc0 over recv 1's bytes past head0's block header, then recv 2's, ...
 """
 from __future__ import annotations
 
@@ -24,6 +33,44 @@ import crc32c
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, check_header, decode_header, verify_block
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.wire.payload_pieces import as_bytes_view
+
+
+FOLD_RECEIVE_BYTES_MAX = 256 << 10  # one receive, folded right after it lands: more leaves the core's L2 first
+FOLD_GIL_RELEASE = 0  # crc32c's gil_release_mode: hold it; a piece is microseconds, handing the GIL over costs more
+
+
+class _Fold:
+    """The payload CRC of one landed block, extended over its bytes in order as they arrive."""
+
+    __slots__ = ("views", "start", "nbytes", "checked", "crc", "_view", "_inside")
+
+    def __init__(self, views: list[memoryview], start: int, nbytes: int) -> None:
+        self.views = [v for v in views if v.nbytes]  # the payload's views, past the block header
+        self.start = start  # where the block begins in its reply's payload
+        self.nbytes = nbytes  # the whole block, header included
+        self.checked = HEADER_SIZE  # bytes of the block [0, checked) are folded (the header is not in the CRC)
+        self.crc = 0
+        self._view = self._inside = 0  # where ``checked`` lies: view index, offset inside it
+
+    def fold(self, end: int) -> None:
+        """Extend the CRC over the block's bytes [checked, end)."""
+        end = min(end, self.nbytes)
+        while self.checked < end:
+            view = self.views[self._view]
+            take = min(view.nbytes - self._inside, end - self.checked)
+            whole = self._inside == 0 and take == view.nbytes
+            self.crc = crc32c.crc32c(view if whole else view[self._inside:self._inside + take], self.crc,
+                                   gil_release_mode=FOLD_GIL_RELEASE)
+            self.checked += take
+            self._inside += take
+            if self._inside == view.nbytes:
+                self._view, self._inside = self._view + 1, 0
+
+
+@dataclass(frozen=True)
+class FoldStatistics:
+    bytes_on_arrival: int  # payload bytes folded into their CRCs right after a receive landed them
+    bytes_at_check: int  # payload bytes no receive report covered, folded when the block was checked
 
 
 @dataclass(frozen=True)
@@ -55,6 +102,10 @@ class ScatterPlan:
         self._heads = memoryview(bytearray(head_nbytes * len(self.targets)))
         self._queued: list[list[int]] = []
         self._by_request: dict[int, list[int]] = {}
+        self._folds: dict[int, _Fold] = {}  # block index -> the CRC of its latest landing
+        self._arriving: list[_Fold] = []  # the landed blocks of the reply being received, in order
+        self._folded = 0  # bytes of that reply's payload folded into their CRCs
+        self._on_arrival = self._at_check = 0  # FoldStatistics
 
     def expect(self, chunks: Sequence[Sequence[int]]) -> None:
         """The item indexes of each frame about to be sent, in order."""
@@ -72,24 +123,61 @@ class ScatterPlan:
         if chunk is None or len(chunk) != len(lengths):
             return None
         views: list[memoryview] = []
+        self._arriving, self._folded, start = [], 0, 0
         for i, length in zip(chunk, lengths):
             if length == DEFERRED_LENGTH or length == 0:
                 continue
             if length == self.block_nbytes[i]:
                 views.append(self.head_of(i))
                 views.extend(self.targets[i])
+                self._folds[i] = _Fold([self.head_of(i)[HEADER_SIZE:], *self.targets[i]], start, length)
+                self._arriving.append(self._folds[i])
             else:
+                self._folds.pop(i, None)
                 views.append(memoryview(bytearray(length)))
+            start += length
         return views
+
+    def landed(self, filled: int) -> None:
+        """The first ``filled`` bytes of the reply whose scatter list :meth:`views_for` gave last
+        are in: fold them into their blocks' CRCs."""
+        if filled <= self._folded:
+            return
+        while self._arriving and self._arriving[0].start < filled:
+            fold = self._arriving[0]
+            before = fold.checked
+            fold.fold(filled - fold.start)
+            self._on_arrival += fold.checked - before
+            if fold.checked < fold.nbytes:
+                break
+            self._arriving.pop(0)
+        self._folded = filled
+
+    def payload_crc(self, i: int) -> int | None:
+        """The payload CRC of block ``i``'s latest landing in the plan's views (folding what
+        :meth:`landed` did not cover), or None where it did not land in them."""
+        fold = self._folds.get(i)
+        if fold is None:
+            return None
+        before = fold.checked
+        fold.fold(fold.nbytes)
+        self._at_check += fold.checked - before
+        return fold.crc
+
+    def statistics(self) -> FoldStatistics:
+        return FoldStatistics(self._on_arrival, self._at_check)
 
     def head_of(self, i: int) -> memoryview:
         return self._heads[i * self.head_nbytes:(i + 1) * self.head_nbytes]
 
 
-def verify_landed(pieces: tuple, key: bytes, head_nbytes: int) -> LandedBlock | memoryview | None:
+def verify_landed(pieces: tuple, key: bytes, head_nbytes: int,
+                  payload_crc: int | None = None) -> LandedBlock | memoryview | None:
     """A GET reply item as :class:`~kvtier.wire.payload_pieces.PayloadPieces` gave it: the
     :class:`LandedBlock` if it landed in the plan's views and checks out there, a read-only
-    view of it if it landed apart (one piece) and checks out, else None (a corrupt block)."""
+    view of it if it landed apart (one piece) and checks out, else None (a corrupt block).
+    ``payload_crc``: the CRC of the landed pieces' payload bytes, folded as they arrived
+    (:meth:`ScatterPlan.payload_crc`); None computes it here."""
     if len(pieces) == 1:
         block = memoryview(pieces[0]).cast("B")
         try:
@@ -106,9 +194,11 @@ def verify_landed(pieces: tuple, key: bytes, head_nbytes: int) -> LandedBlock | 
         check_header(header, nbytes, key)
     except BlockFormatError:
         return None
-    crc = crc32c.crc32c(head[HEADER_SIZE:])
-    for piece in pieces[1:]:
-        crc = crc32c.crc32c(piece, crc)
+    crc = payload_crc
+    if crc is None:
+        crc = crc32c.crc32c(head[HEADER_SIZE:])
+        for piece in pieces[1:]:
+            crc = crc32c.crc32c(piece, crc)
     if crc != header.payload_crc:
         return None
     return LandedBlock(head.toreadonly(), nbytes)

@@ -229,6 +229,100 @@ def test_a_scattered_payload_is_received_in_order_into_its_pieces(step):
     assert bytes(heads[0]) + bytes(outs[0]) == blocks[0] and bytes(heads[1]) + bytes(outs[1]) == blocks[1]
 
 
+@pytest.mark.parametrize("cap", [1, 5, 64, 1000])
+def test_a_scattered_payload_is_received_at_most_receive_bytes_max_at_a_time(cap):
+    from kvtier.wire.payload_pieces import PayloadPieces
+
+    p, client, wire, blocks = _scatter_wire()
+    client.receive_data(wire[:p.FRAME_HEADER_SIZE + 3 * 4])  # the header and meta only
+    assert client.next_event() is p.NEED_DATA
+    pos = len(wire) - sum(len(b) for b in blocks)
+    heads, outs = [bytearray(70), bytearray(70)], [bytearray(len(b) - 70) for b in blocks]
+    client.set_payload_buffers([memoryview(heads[0]), memoryview(outs[0])[:100], memoryview(outs[0])[100:],
+                                memoryview(heads[1]), memoryview(outs[1])], receive_bytes_max=cap)
+    while (pieces := client.payload_views()) is not None:  # recvmsg_into filling every view
+        room = sum(view.nbytes for view in pieces)
+        assert room == min(cap, len(wire) - pos)
+        for view in pieces:
+            view[:] = wire[pos:pos + view.nbytes]
+            pos += view.nbytes
+        client.payload_received(room)
+        assert client.payload_filled == pos - (len(wire) - sum(len(b) for b in blocks))
+    assert isinstance(client.next_event(), p.GetReply) and client.payload_filled == 0
+    assert bytes(heads[0]) + bytes(outs[0]) == blocks[0] and bytes(heads[1]) + bytes(outs[1]) == blocks[1]
+    with pytest.raises(ValueError, match="receive_bytes_max"):
+        PayloadPieces([bytearray(4)], receive_bytes_max=0)
+
+
+def _fold_reply(wire: bytes, plan, client, step: int, report_every: int = 1) -> object:
+    """Feed a GET reply for request 7 through ``client`` into ``plan``'s views, ``step`` bytes a
+    receive, telling the plan what landed after every ``report_every``-th receive."""
+    from kvtier.wire import connection as p
+
+    pos = 0
+    while client.pending_head is None:
+        client.receive_data(wire[pos:pos + 1])
+        pos += 1
+        assert client.next_event() is p.NEED_DATA
+    client.set_payload_buffers(plan.views_for(7, client.pending_meta), receive_bytes_max=step)
+    receives = 0
+    while (pieces := client.payload_views()) is not None:
+        for view in pieces:
+            view[:] = wire[pos:pos + view.nbytes]
+            pos += view.nbytes
+        client.payload_received(sum(view.nbytes for view in pieces))
+        receives += 1
+        if receives % report_every == 0:
+            plan.landed(client.payload_filled)
+    return client.next_event()
+
+
+@pytest.mark.parametrize("step, report_every", [(1, 1), (7, 1), (100, 3), (10_000, 1), (33, 1_000_000)])
+def test_a_scatter_plan_folds_each_landed_blocks_crc_once_as_its_bytes_arrive(step, report_every):
+    from kvtier.client.scatter_plan import LandedBlock, ScatterPlan, verify_landed
+    from kvtier.common.blockformat import encode_block
+    from kvtier.wire import connection as p
+
+    ns_id, keys = b"n" * 16, [bytes([i]) * 16 for i in range(3)]
+    payloads = [bytes(range(i, i + 200)) * 3 for i in range(3)]
+    blocks = [encode_block(keys[0], ns_id, 0, payloads[0]), None, encode_block(keys[2], ns_id, 0, payloads[2][:50])]
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    client.send(p.Get(7, tuple(keys)))
+    wire = server.send(p.GetReply(7, tuple(blocks)))
+    targets = [[memoryview(bytearray(300)), memoryview(bytearray(292))] for _ in range(3)]  # block 2 lands apart
+    plan = ScatterPlan(72, targets)
+    plan.expect([[0, 1, 2]])
+    plan.sent(7)
+    reply = _fold_reply(wire, plan, client, step, report_every)
+    got = verify_landed(reply.blocks[0], keys[0], 72, plan.payload_crc(0))
+    assert isinstance(got, LandedBlock) and bytes(targets[0][0]) + bytes(targets[0][1]) == payloads[0][8:]
+    assert plan.payload_crc(2) is None and bytes(reply.blocks[2][0]) == blocks[2]  # apart: checked whole
+    stats = plan.statistics()
+    assert stats.bytes_on_arrival + stats.bytes_at_check == len(payloads[0])  # every payload byte, once
+    if report_every == 1:
+        assert stats.bytes_at_check == 0  # all folded as they landed
+    elif report_every > len(wire):
+        assert stats.bytes_on_arrival == 0  # never told: all folded at the check
+
+
+def test_a_block_corrupted_on_the_wire_fails_its_folded_crc():
+    from kvtier.client.scatter_plan import ScatterPlan, verify_landed
+    from kvtier.common.blockformat import encode_block
+    from kvtier.wire import connection as p
+
+    key, ns_id = b"k" * 16, b"n" * 16
+    block = encode_block(key, ns_id, 0, bytes(range(256)) * 4)
+    client, server = p.Connection(p.Role.CLIENT), p.Connection(p.Role.SERVER)
+    client.send(p.Get(7, (key,)))
+    wire = bytearray(server.send(p.GetReply(7, (block,))))
+    wire[-100] ^= 1  # a flipped bit in the payload's last target
+    plan = ScatterPlan(72, [[memoryview(bytearray(500)), memoryview(bytearray(1024 + 8 - 500))]])
+    plan.expect([[0]])
+    plan.sent(7)
+    reply = _fold_reply(bytes(wire), plan, client, 64)
+    assert verify_landed(reply.blocks[0], key, 72, plan.payload_crc(0)) is None
+
+
 def test_payload_pieces_must_add_up_and_be_writable():
     from kvtier.wire.frames import FRAME_HEADER_SIZE
 
@@ -266,6 +360,32 @@ def test_get_many_into_lands_blocks_in_place_and_verifies_them_there(daemon):
             assert out[i].tobytes() == payloads[i][8:] and bytes(got[i].head[64:]) == payloads[i][:8]
         assert not isinstance(got[2], LandedBlock) and bytes(got[2][64:]) == payloads[2][:100]
         assert not out[2].any()
+
+
+def test_a_get_into_place_reads_each_landed_byte_once_for_its_crc_as_it_arrives(daemon):
+    """recv + one CRC pass: every payload byte of the blocks landed in place is folded into
+    their CRCs right after its receive, none at the check, none twice."""
+    import numpy as np
+
+    from kvtier.client import BlockClient
+    from kvtier.client import transport_ops as ops
+    from kvtier.client.scatter_plan import FOLD_RECEIVE_BYTES_MAX, LandedBlock, ScatterPlan
+    from kvtier.common.blockformat import encode_block
+
+    ns_id = b"f" * 16
+    half = FOLD_RECEIVE_BYTES_MAX * 3 // 2  # each block takes several receives
+    payloads = [np.random.default_rng(10 + i).integers(0, 255, 8 + 2 * half, dtype=np.uint8).tobytes()
+                for i in range(3)]
+    keys = [bytes([0x50 + i]) * 16 for i in range(3)]
+    out = np.zeros((3, 2, half), np.uint8)
+    with BlockClient(daemon.data_addr) as c:
+        c.put_many([(k, encode_block(k, ns_id, 0, pl)) for k, pl in zip(keys, payloads)], ns_id=ns_id)
+        plan = ScatterPlan(64 + 8, [[memoryview(out[i, 0]), memoryview(out[i, 1])] for i in range(3)])
+        got, corrupt = c._call(lambda: ops.op_get_into(keys, ns_id, c.limits, plan, c._reader_verifies), into=plan)
+    assert corrupt == 0 and all(isinstance(g, LandedBlock) for g in got)
+    assert all(out[i].tobytes() == payloads[i][8:] for i in range(3))
+    assert plan.statistics().bytes_on_arrival == sum(len(pl) for pl in payloads)
+    assert plan.statistics().bytes_at_check == 0
 
 
 def test_a_landed_block_is_checked_over_the_bytes_where_it_landed():

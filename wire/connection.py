@@ -142,13 +142,14 @@ class Connection:
         self._payload = view[:self._head.payload_len]
         self._drain_into_payload()
 
-    def set_payload_buffers(self, views) -> None:
+    def set_payload_buffers(self, views, receive_bytes_max: int | None = None) -> None:
         """Receive the pending payload into ``views`` in order (a scatter list, see
-        :mod:`~kvtier.wire.payload_pieces`; their sizes add up to payload_len); the message
-        builder then gets the payload as :class:`~kvtier.wire.payload_pieces.PayloadPieces`."""
+        :mod:`~kvtier.wire.payload_pieces`; their sizes add up to payload_len), at most
+        ``receive_bytes_max`` a receive (None: no cap); the message builder then gets the
+        payload as :class:`~kvtier.wire.payload_pieces.PayloadPieces`."""
         if self._state.receive is not Receive.PAYLOAD or self._payload is not None:
             raise RuntimeError("set_payload_buffers needs a pending payload whose buffer is not yet chosen")
-        pieces = PayloadPieces(views)
+        pieces = PayloadPieces(views, receive_bytes_max)
         if pieces.nbytes != self._head.payload_len:
             raise ValueError(f"payload pieces of {pieces.nbytes} bytes for a {self._head.payload_len}-byte payload")
         self._payload = pieces
@@ -181,10 +182,15 @@ class Connection:
     def payload_views(self) -> list[memoryview] | None:
         """:meth:`payload_view` as a list for ``recvmsg_into``: the unfilled pieces of a
         scattered payload, else the one view (None when no payload is pending)."""
+        if isinstance(self._payload, PayloadPieces) and self._state.receive is Receive.PAYLOAD:
+            return self._payload.unfilled(self._filled) or None
         view = self.payload_view()
-        if view is None or not isinstance(self._payload, PayloadPieces):
-            return None if view is None else [view]
-        return self._payload.unfilled(self._filled)
+        return None if view is None else [view]
+
+    @property
+    def payload_filled(self) -> int:
+        """Bytes of the pending payload in its buffer so far (0 when none is pending)."""
+        return self._filled if self._state.receive is Receive.PAYLOAD else 0
 
     def payload_received(self, nbytes: int) -> None:
         """``nbytes`` were written into the view :meth:`payload_view` returned."""

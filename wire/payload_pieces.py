@@ -20,9 +20,14 @@ RECV_IOV_MAX = 512  # buffers handed to one recvmsg_into, under Linux's IOV_MAX 
 
 
 class PayloadPieces:
-    """Writable views that together hold one payload, in order."""
+    """Writable views that together hold one payload, in order. ``receive_bytes_max``: what
+    one receive may take (:meth:`unfilled`), for a reader that reads each receive's bytes
+    again while they are still in the cache; None: as much as the views hold."""
 
-    def __init__(self, views: Sequence) -> None:
+    def __init__(self, views: Sequence, receive_bytes_max: int | None = None) -> None:
+        if receive_bytes_max is not None and receive_bytes_max <= 0:
+            raise ValueError(f"receive_bytes_max must be positive, got {receive_bytes_max}")
+        self.receive_bytes_max = receive_bytes_max
         self.views = [as_bytes_view(v) for v in views]
         for i, view in enumerate(self.views):
             if view.readonly:
@@ -33,23 +38,38 @@ class PayloadPieces:
             self.starts.append(total)
             total += view.nbytes
         self.nbytes = total
+        self._last = 0  # the piece _locate found last
 
     def _locate(self, offset: int) -> tuple[int, int]:
         """(piece index, offset inside it) of byte ``offset`` (< nbytes)."""
-        i = bisect_right(self.starts, offset) - 1
-        while self.views[i].nbytes == 0:  # an empty piece starts where the next does
-            i += 1
+        i = self._last  # receives fill the pieces in order: mostly the piece found last
+        if not self.starts[i] <= offset < self.starts[i] + self.views[i].nbytes:
+            i = bisect_right(self.starts, offset) - 1
+            while self.views[i].nbytes == 0:  # an empty piece starts where the next does
+                i += 1
+            self._last = i
         return i, offset - self.starts[i]
 
     def unfilled(self, filled: int, views_max: int = RECV_IOV_MAX) -> list[memoryview]:
-        """The views past the first ``filled`` bytes (at most ``views_max`` of them)."""
+        """The views past the first ``filled`` bytes (at most ``views_max`` of them, the last
+        one cut where they hold ``receive_bytes_max``)."""
         if filled >= self.nbytes:
             return []
         i, inside = self._locate(filled)
-        out = [self.views[i][inside:]]
-        for view in self.views[i + 1:i + views_max]:
+        room = self.nbytes - filled if self.receive_bytes_max is None else min(self.receive_bytes_max,
+                                                                                self.nbytes - filled)
+        views, last = self.views, min(len(self.views), i + views_max)
+        first = views[i]
+        take = min(first.nbytes - inside, room)
+        out = [first if take == first.nbytes else first[inside:inside + take]]
+        room -= take
+        i += 1
+        while room and i < last:
+            view = views[i]
             if view.nbytes:
-                out.append(view)
+                out.append(view if view.nbytes <= room else view[:room])
+                room -= out[-1].nbytes
+            i += 1
         return out
 
     def write(self, offset: int, data) -> None:
