@@ -32,7 +32,7 @@ import numpy as np
 from kvtier.wire import connection as p
 from kvtier.client import transport_ops as ops
 from kvtier.client.scatter_plan import FOLD_RECEIVE_BYTES_MAX, ScatterPlan
-from kvtier.wire.sockets import receive_some, sendmsg_all
+from kvtier.wire.sockets import receive_payload, receive_some, sendmsg_all
 from kvtier.wire.events import PIN_TTL_MS_MAX
 from kvtier.wire.writers import check_key
 from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
@@ -242,7 +242,7 @@ class _Channel:
         enough, else in this connection's reusable scratch buffer (no fresh
         pages to fault in), from which GET blocks are copied out once."""
         conn, sock = self.conn, self.sock
-        head_placed, in_scratch, landing = None, False, None
+        head_placed, in_scratch = None, False
         while True:
             event = conn.next_event()
             if event is p.NEED_DATA:
@@ -251,10 +251,11 @@ class _Channel:
                     head_placed = head
                     scatter = into.views_for(head.request_id, conn.pending_meta) \
                         if isinstance(into, ScatterPlan) and head.base_op == p.Op.GET else None
-                    if scatter is not None:  # GET blocks straight into their destinations
-                        conn.set_payload_buffers(scatter, FOLD_RECEIVE_BYTES_MAX)
-                        landing = into  # told what arrives, to fold the CRCs while the bytes are in cache
-                    elif into is ZERO_COPY:  # the blocks are returned as views of this buffer
+                    if scatter is not None:  # GET blocks straight into their destinations, each receive's
+                        conn.set_payload_buffers(scatter, FOLD_RECEIVE_BYTES_MAX)  # CRCs folded while in cache
+                        receive_payload(sock, conn, into.landed)
+                        continue
+                    if into is ZERO_COPY:  # the blocks are returned as views of this buffer
                         conn.set_payload_buffer(self._views.take(head.payload_len))
                     elif isinstance(into, memoryview) and head.payload_len <= into.nbytes:
                         conn.set_payload_buffer(into)
@@ -264,8 +265,6 @@ class _Channel:
                         conn.set_payload_buffer(self._scratch)
                         in_scratch = True
                 receive_some(sock, conn)
-                if landing is not None:
-                    landing.landed(conn.payload_filled)
                 continue
             if event is p.CONNECTION_CLOSED:
                 raise p.ConnectionLost("the daemon closed the connection")

@@ -55,16 +55,18 @@ class _Fold:
     def fold(self, end: int) -> None:
         """Extend the CRC over the block's bytes [checked, end)."""
         end = min(end, self.nbytes)
-        while self.checked < end:
-            view = self.views[self._view]
-            take = min(view.nbytes - self._inside, end - self.checked)
-            whole = self._inside == 0 and take == view.nbytes
-            self.crc = crc32c.crc32c(view if whole else view[self._inside:self._inside + take], self.crc,
-                                   gil_release_mode=FOLD_GIL_RELEASE)
-            self.checked += take
-            self._inside += take
-            if self._inside == view.nbytes:
-                self._view, self._inside = self._view + 1, 0
+        checked, crc, i, inside, views = self.checked, self.crc, self._view, self._inside, self.views
+        while checked < end:
+            view = views[i]
+            left = view.nbytes - inside
+            if end - checked >= left:  # the rest of this view
+                crc = crc32c.crc32c(view[inside:] if inside else view, crc, FOLD_GIL_RELEASE)
+                checked, i, inside = checked + left, i + 1, 0
+            else:
+                take = end - checked
+                crc = crc32c.crc32c(view[inside:inside + take], crc, FOLD_GIL_RELEASE)
+                checked, inside = end, inside + take
+        self.checked, self.crc, self._view, self._inside = checked, crc, i, inside
 
 
 @dataclass(frozen=True)

@@ -89,13 +89,17 @@ class PayloadPieces:
         if step != 1:
             raise ValueError("payload pieces are sliced by contiguous byte ranges")
         out: list[memoryview] = []
-        pos = start
-        while pos < stop:
-            i, inside = self._locate(pos)
-            view = self.views[i]
+        if start >= stop:
+            return ()
+        i, inside = self._locate(start)
+        views, pos = self.views, start
+        while pos < stop:  # from the first piece on, in order (an empty piece adds nothing)
+            view = views[i]
             take = min(view.nbytes - inside, stop - pos)
-            out.append(view if take == view.nbytes else view[inside:inside + take])
+            if take:
+                out.append(view if take == view.nbytes else view[inside:inside + take])
             pos += take
+            i, inside = i + 1, 0
         return tuple(out)
 
     def __len__(self) -> int:

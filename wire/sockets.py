@@ -45,3 +45,18 @@ def receive_some(sock: socket.socket, conn) -> None:
         conn.payload_received(n)
     else:
         conn.receive_data(b"")
+
+
+def receive_payload(sock: socket.socket, conn, landed=None) -> None:
+    """Receive the rest of ``conn``'s pending payload, as :func:`receive_some` would one call at a
+    time but without asking the parser in between; ``landed(filled)`` after each receive, with the
+    bytes of the payload in so far. Returns once it is in, or at the end of the stream (fed to
+    ``conn`` as ``b""``)."""
+    while (views := conn.payload_views()) is not None:
+        n = sock.recv_into(views[0]) if len(views) == 1 else sock.recvmsg_into(views)[0]
+        if not n:
+            conn.receive_data(b"")
+            return
+        conn.payload_received(n)
+        if landed is not None:
+            landed(conn.payload_filled)
