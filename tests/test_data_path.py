@@ -254,6 +254,35 @@ def test_a_scattered_payload_is_received_at_most_receive_bytes_max_at_a_time(cap
         PayloadPieces([bytearray(4)], receive_bytes_max=0)
 
 
+@pytest.mark.parametrize("cut", [None, 300])
+def test_receive_payload_takes_the_rest_of_a_scattered_payload_off_a_socket(cut):
+    """Whole, each receive reported with the bytes in so far; cut short, the end of the stream
+    reaches the parser, which calls the frame truncated."""
+    import socket
+
+    from kvtier.wire.sockets import receive_payload
+
+    p, client, wire, blocks = _scatter_wire()
+    head_and_meta = p.FRAME_HEADER_SIZE + 3 * 4
+    client.receive_data(wire[:head_and_meta])
+    assert client.next_event() is p.NEED_DATA
+    outs = [bytearray(len(b)) for b in blocks]
+    client.set_payload_buffers([memoryview(outs[0]), memoryview(outs[1])], receive_bytes_max=64)
+    reports: list[int] = []
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(wire[head_and_meta:] if cut is None else wire[head_and_meta:head_and_meta + cut])
+        b.close()
+        receive_payload(a, client, reports.append)
+    if cut is None:
+        assert reports == sorted(reports) and reports[-1] == len(wire) - head_and_meta
+        assert isinstance(client.next_event(), p.GetReply) and outs == [bytearray(b) for b in blocks]
+    else:
+        assert reports[-1] == cut
+        with pytest.raises(p.ProtocolError, match="truncated"):
+            client.next_event()
+
+
 def _fold_reply(wire: bytes, plan, client, step: int, report_every: int = 1) -> object:
     """Feed a GET reply for request 7 through ``client`` into ``plan``'s views, ``step`` bytes a
     receive, telling the plan what landed after every ``report_every``-th receive."""
