@@ -430,7 +430,8 @@ class BlockClient(ClientBase):
     def get_many_into(self, keys, targets, head_nbytes: int, ns_id: bytes | None = None) -> list:
         """GET each block straight into its destination: block i's bytes past its first
         ``head_nbytes`` (block header + codec header) are received into the writable views
-        ``targets[i]``, in order, and verified there (CRC over the views, key). Per key a
+        ``targets[i]`` (or those a function ``targets[i]()`` makes when its reply comes), in
+        order, and verified there (CRC over the views, key). Per key a
         :class:`~.scatter_plan.LandedBlock`, a verified read-only block where it came in
         another size than planned (it landed apart), or None for a miss (a target may then
         hold any bytes)."""

@@ -67,6 +67,8 @@ class _Fold:
                 crc = crc32c.crc32c(view[inside:inside + take], crc, FOLD_GIL_RELEASE)
                 checked, inside = end, inside + take
         self.checked, self.crc, self._view, self._inside = checked, crc, i, inside
+        if checked == self.nbytes:
+            self.views = []  # folded whole: the target views are let go (many, and tracked by the GC)
 
 
 @dataclass(frozen=True)
@@ -91,17 +93,18 @@ class ScatterPlan:
     """The destinations of one batch's blocks, for the GET frames that fetch them.
 
     ``targets[i]`` are the writable views block i's bytes past its first ``head_nbytes``
-    land in, in order. The op says which items each frame carries (:meth:`expect`, before
+    land in, in order, or a function that makes them: then they are made when block i's
+    reply comes and let go once it is checked, not held for the whole batch (a raw block has a
+    view per row it lands in; objects that live that long cost the garbage collector). The op says which items each frame carries (:meth:`expect`, before
     the frames go out), the connection which request id each went out as (:meth:`sent`),
     and the reader asks for a reply's scatter list by its request id (:meth:`views_for`)."""
 
-    def __init__(self, head_nbytes: int, targets: Sequence[Sequence[memoryview]]) -> None:
+    def __init__(self, head_nbytes: int, targets: Sequence[Sequence[memoryview] | Callable[[], Sequence]]) -> None:
         if head_nbytes < HEADER_SIZE:
             raise ValueError(f"head_nbytes {head_nbytes} is shorter than the {HEADER_SIZE}-byte block header")
         self.head_nbytes = head_nbytes
-        self.targets = [[as_bytes_view(v) for v in views] for views in targets]
-        self.block_nbytes = [head_nbytes + sum(v.nbytes for v in views) for views in self.targets]
-        self._heads = memoryview(bytearray(head_nbytes * len(self.targets)))
+        self._targets = list(targets)
+        self._heads = memoryview(bytearray(head_nbytes * len(self._targets)))
         self._queued: list[list[int]] = []
         self._by_request: dict[int, list[int]] = {}
         self._folds: dict[int, _Fold] = {}  # block index -> the CRC of its latest landing
@@ -129,10 +132,11 @@ class ScatterPlan:
         for i, length in zip(chunk, lengths):
             if length == DEFERRED_LENGTH or length == 0:
                 continue
-            if length == self.block_nbytes[i]:
+            targets = self.targets(i)
+            if length == self.head_nbytes + sum(v.nbytes for v in targets):
                 views.append(self.head_of(i))
-                views.extend(self.targets[i])
-                self._folds[i] = _Fold([self.head_of(i)[HEADER_SIZE:], *self.targets[i]], start, length)
+                views.extend(targets)
+                self._folds[i] = _Fold([self.head_of(i)[HEADER_SIZE:], *targets], start, length)
                 self._arriving.append(self._folds[i])
             else:
                 self._folds.pop(i, None)
@@ -168,6 +172,11 @@ class ScatterPlan:
 
     def statistics(self) -> FoldStatistics:
         return FoldStatistics(self._on_arrival, self._at_check)
+
+    def targets(self, i: int) -> list[memoryview]:
+        """Block ``i``'s target views (made now where the plan was given a function for them)."""
+        views = self._targets[i]
+        return [as_bytes_view(v) for v in (views() if callable(views) else views)]
 
     def head_of(self, i: int) -> memoryview:
         return self._heads[i * self.head_nbytes:(i + 1) * self.head_nbytes]

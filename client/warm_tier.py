@@ -26,6 +26,7 @@ order, or ``None`` where any object is missing or fails verification.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -436,7 +437,8 @@ class WarmTier:
 
         def get(part: list[bytes], first: int = 0) -> tuple[list, list[bool]]:
             if scatter:
-                return daemon.client.get_many_into(part, [landing.views(first + n, 0) for n in range(len(part))],
+                return daemon.client.get_many_into(part, [functools.partial(landing.views, first + n, 0)
+                                                          for n in range(len(part))],
                                                    landing.head_nbytes, ns_id=self.namespace.id), [False] * len(part)
             origins: list[bool] = []
             return daemon.client.get_many(part, ns_id=self.namespace.id, copy=False, origins=origins), origins

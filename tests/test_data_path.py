@@ -391,6 +391,31 @@ def test_get_many_into_lands_blocks_in_place_and_verifies_them_there(daemon):
         assert not out[2].any()
 
 
+def test_get_many_into_makes_a_blocks_targets_when_its_reply_comes(daemon):
+    """Targets given as functions: called for the blocks that came (once each), never for a miss."""
+    import numpy as np
+
+    from kvtier.client import BlockClient
+    from kvtier.client.scatter_plan import LandedBlock
+    from kvtier.common.blockformat import encode_block
+
+    ns_id = b"m" * 16
+    payloads = [np.random.default_rng(20 + i).integers(0, 255, 8 + (64 << 10), dtype=np.uint8).tobytes()
+                for i in range(2)]  # past the first receive chunk: the reply lands in the targets
+    keys = [bytes([0x60 + i]) * 16 for i in range(2)] + [bytes([0x6f]) * 16]  # the last is a miss
+    out = np.zeros((3, 64 << 10), np.uint8)
+    made: list[int] = []
+
+    def target(i: int):
+        made.append(i)
+        return [memoryview(out[i])]
+    with BlockClient(daemon.data_addr) as c:
+        c.put_many([(k, encode_block(k, ns_id, 0, pl)) for k, pl in zip(keys, payloads)], ns_id=ns_id)
+        got = c.get_many_into(keys, [lambda i=i: target(i) for i in range(3)], head_nbytes=64 + 8, ns_id=ns_id)
+    assert [type(g) for g in got[:2]] == [LandedBlock, LandedBlock] and got[2] is None
+    assert sorted(made) == [0, 1] and all(out[i].tobytes() == payloads[i][8:] for i in range(2))
+
+
 def test_a_get_into_place_reads_each_landed_byte_once_for_its_crc_as_it_arrives(daemon):
     """recv + one CRC pass: every payload byte of the blocks landed in place is folded into
     their CRCs right after its receive, none at the check, none twice."""
