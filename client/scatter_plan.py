@@ -95,9 +95,10 @@ class ScatterPlan:
     ``targets[i]`` are the writable views block i's bytes past its first ``head_nbytes``
     land in, in order, or a function that makes them: then they are made when block i's
     reply comes and let go once it is checked, not held for the whole batch (a raw block has a
-    view per row it lands in; objects that live that long cost the garbage collector). The op says which items each frame carries (:meth:`expect`, before
-    the frames go out), the connection which request id each went out as (:meth:`sent`),
-    and the reader asks for a reply's scatter list by its request id (:meth:`views_for`)."""
+    view per row it lands in; objects that live that long cost the garbage collector). The op
+    says which items each frame carries (:meth:`expect`, before the frames go out), the
+    connection which request id each went out as (:meth:`sent`), and the reader asks for a
+    reply's scatter list by its request id (:meth:`views_for`)."""
 
     def __init__(self, head_nbytes: int, targets: Sequence[Sequence[memoryview] | Callable[[], Sequence]]) -> None:
         if head_nbytes < HEADER_SIZE:
