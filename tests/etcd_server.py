@@ -14,12 +14,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from ports import free_port  # noqa: F401 (the tests import it from here too)
 
 ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
 READY_TIMEOUT_S = 20.0  # etcd's first start writes its WAL and elects itself
@@ -43,12 +44,6 @@ START_ATTEMPTS = 3  # fresh ports after a bind race
 
 class PortTaken(RuntimeError):
     """etcd could not bind a port free_port() had found free."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

@@ -3,21 +3,15 @@ and a SUB socket that waits until the publisher serves it."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import zmq
 
 from daemon_proc import start_kvtierd
+from ports import free_port  # noqa: F401 (the tests import it from here too)
 from kvtier.daemon.events import kv_event_format as fmt
 
 RECEIVE_TIMEOUT_MS = 5000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_events_daemon(path, *extra: str, replay: bool = True):

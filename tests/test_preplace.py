@@ -6,7 +6,6 @@ one test lets the worker run by itself). The edges need a token; the region has 
 ``--preplace-token-file``."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from daemon_proc import start_kvtierd
+from ports import free_port
 from kvtier.client.block_client import BlockClient
 from kvtier.common.blockformat import encode_block, payload_of
 from kvtier.common.codec_ids import codec_id
@@ -324,12 +324,6 @@ def test_cli_push_and_status(edges, region_factory):
     assert doc["statistics"]["edges"][edges[0].data_addr]["soft_pinned_bytes"] == 2 * BLOCK_BYTES
     cli = subprocess.run(base + ["preplace", "--push", "--edge", "x"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "--status and --push take no prefix" in cli.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_an_edge_answers_the_pushers_lookup_itself_never_asking_its_upstream_region(tmp_path, region_factory):
