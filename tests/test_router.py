@@ -63,7 +63,11 @@ def post_route(address, doc) -> tuple[int, dict]:
 @pytest.fixture
 def nodes(tmp_path):
     a = start_events_daemon(tmp_path / "a")
-    b = start_events_daemon(tmp_path / "b", replay=False)
+    try:
+        b = start_events_daemon(tmp_path / "b", replay=False)
+    except BaseException:
+        a.kill()  # not left running when the second one fails to start
+        raise
     yield {"a": a, "b": b}
     for d in (a, b):
         if d.alive():
