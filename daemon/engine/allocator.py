@@ -62,8 +62,6 @@ class Allocator:
         self.open = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
         # a full region is written by the sealer thread from its image while appends fill the spare
         self._spare: OpenRegion | None = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
-        # the two images trade places; one changes only when a reservation is abandoned (move_open_image)
-        self.image_buffers = (self.open.buffer, self._spare.buffer)
         self.sealing: tuple[OpenRegion, list, Future | None] | None = None
         self._header_write: tuple[list, Future] | None = None  # a region header queued behind the seal
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")
@@ -101,7 +99,6 @@ class Allocator:
         fresh[:image.data_end] = image.buffer[:image.data_end]
         fresh[image.summary_start:] = image.buffer[image.summary_start:]
         old, image.buffer = image.buffer, fresh
-        self.image_buffers = tuple(fresh if buffer is old else buffer for buffer in self.image_buffers)
         return old
 
     @property

@@ -296,15 +296,8 @@ class Engine:
         self._in_place.abort(reservation)
 
     def abandon_put(self, reservation: Reservation) -> memoryview:
-        """Give a reservation's room back while its view may still be written into (a transfer that
-        cannot be stopped); returns the buffer the view lies in, which the open image no longer
-        uses: hold it until nothing writes into it (see :meth:`InPlacePuts.abandon`)."""
+        """:meth:`abort_put` while the view may still be written: see :meth:`InPlacePuts.abandon`."""
         return self._in_place.abandon(reservation)
-
-    def put_images(self) -> tuple[memoryview, memoryview]:
-        """The two open-region images every reservation's view lies in now (one is replaced by
-        :meth:`abandon_put`)."""
-        return self._allocator.image_buffers
 
     # -- get: one driver (get_driver.GetDriver) behind every form ---------------
     def get(self, key) -> bytes | None:

@@ -60,6 +60,7 @@ class Reservation:
     view: memoryview  # the frame's payload lands here (writable, ``sum(lengths)`` bytes)
     keys: tuple[bytes, ...]
     lengths: tuple[int, ...]
+    image: memoryview  # the whole open image ``view`` lies in (for a transport that registers memory)
     resolved: bool = False  # committed or aborted
 
 
@@ -112,7 +113,8 @@ class InPlacePuts:
             image = allocator.open
             image.pending_bytes, image.pending_entries = total, len(keys)
             offset = image.data_end
-            reservation = Reservation(image.region, offset, image.buffer[offset:offset + total], keys, lengths)
+            reservation = Reservation(image.region, offset, image.buffer[offset:offset + total], keys, lengths,
+                                      image.buffer)
             allocator.reservation = reservation
         return reservation
 

@@ -10,8 +10,8 @@
                                                header, key and CRC checked where the bytes landed; commit
                            <---------------    reply: seqs (durable: on flash and synced first)
 
-The two open-region images are registered with the daemon's agent on the first NIXL_PUT (and an image
-that replaces one, below).
+The open-region image a reservation lies in is registered with the daemon's agent the first time a
+NIXL_PUT is READ into it (the two images, and one that replaces an abandoned one, below).
 When no reservation can be had (another one in flight too long, a key already stored), the
 blocks are READ into the request's buffer and stored the copying way (``Engine.put_many``).
 A request refused or failed at any step stores nothing: a reservation is aborted (its room
@@ -89,7 +89,10 @@ class NixlPuts:
     def put(self, msg: m.NixlPut, peer_agent: str, lengths: list[int], session) -> list[int]:
         """READ the blocks and store them; their seqs. NixlTransferError: the READ failed or timed
         out; BlockFormatError: a block failed its check (nothing stored either way)."""
-        reservation = self._engine.reserve_put(msg.keys, lengths) if self._images_usable() else None
+        reservation = self._engine.reserve_put(msg.keys, lengths) if self._in_place_usable() else None
+        if reservation is not None and not self._image_registered(reservation.image):
+            self._engine.abort_put(reservation)
+            reservation = None
         if reservation is None:
             return self._put_copied(msg, peer_agent, lengths, session)
         cancelled = True
@@ -151,7 +154,6 @@ class NixlPuts:
             self._images_held += 1
             self.images_abandoned += 1
         log.warning("event=nixl_put_image_abandoned bytes=%d held=%d", old.nbytes, self._images_held)
-        self._images_usable()  # the fresh image is registered before a NIXL_PUT lands in it
 
         def give_back() -> None:
             self._agent.deregister_fixed(old)
@@ -160,16 +162,20 @@ class NixlPuts:
 
         return give_back, old.nbytes
 
-    def _images_usable(self) -> bool:
-        """Whether a NIXL_PUT may be READ into the open region: both images registered (the first
-        NIXL_PUT registers them, and the one that replaces an abandoned image), and not too many
-        abandoned ones held."""
+    def _in_place_usable(self) -> bool:
+        """Whether a NIXL_PUT may be READ into the open region: NIXL took its images so far, and not
+        too many abandoned ones are held."""
         with self._lock:
-            if self._images_refused or self._images_held >= IMAGES_ABANDONED_MAX:
-                return False
-            try:
-                self._agent.register_fixed(self._engine.put_images())
-            except NixlTransferError as exc:
-                log.warning("event=nixl_put_images_refused error=%s", exc)
+            return not self._images_refused and self._images_held < IMAGES_ABANDONED_MAX
+
+    def _image_registered(self, image: memoryview) -> bool:
+        """Register the open image a reservation lies in (once: a no-op after); False, and every
+        NIXL_PUT copied from now on, where NIXL refuses it."""
+        try:
+            self._agent.register_fixed([image])
+        except NixlTransferError as exc:
+            log.warning("event=nixl_put_images_refused error=%s", exc)
+            with self._lock:
                 self._images_refused = True
-            return not self._images_refused
+            return False
+        return True

@@ -95,21 +95,14 @@ class RequestBuffers:
     def hand_over(self, session: Session) -> tuple[Callable[[], None], int]:
         """Take what this request holds (its arena, its transient buffers and their room) from the
         session, for a caller that must keep it out of use past the reply (a NIXL transfer still in
-        flight): ``(give_back, bytes held)``; ``give_back()`` returns it all to the pool."""
-        arena, session.get_arena = session.get_arena, None
-        transient, session.transient_buffers = session.transient_buffers, []
-        room, session.transient_bytes = session.transient_bytes, 0
-        arenas = self.arenas
-
-        def give_back() -> None:
-            if arena is not None:
-                arenas.release(arena)
-            for buffer in transient:
-                arenas.give_transient_buffer(buffer)
-            if room:
-                arenas.release_transient(room)
-
-        return give_back, (0 if arena is None else arena.nbytes) + sum(b.nbytes for b in transient)
+        flight): ``(give_back, bytes held)``; ``give_back()`` returns it all to the pool, as
+        :meth:`reply_sent` would have."""
+        held = Session(session.peer, get_arena=session.get_arena, transient_bytes=session.transient_bytes,
+                       transient_buffers=session.transient_buffers)
+        session.get_arena, session.transient_bytes, session.transient_buffers = None, 0, []
+        arena_bytes = 0 if held.get_arena is None else held.get_arena.nbytes
+        nbytes = arena_bytes + sum(buffer.nbytes for buffer in held.transient_buffers)
+        return lambda: self.reply_sent(held), nbytes
 
     def _session_arena(self, session: Session) -> memoryview | None:
         """The arena this request borrowed, borrowing one if it has none (None: all lent)."""
