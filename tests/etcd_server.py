@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ports import free_port  # noqa: F401 (the tests import it from here too)
+from ports import free_port
 
 ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
 READY_TIMEOUT_S = 20.0  # etcd's first start writes its WAL and elects itself

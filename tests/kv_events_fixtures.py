@@ -8,7 +8,7 @@ import urllib.request
 import zmq
 
 from daemon_proc import start_kvtierd
-from ports import free_port  # noqa: F401 (the tests import it from here too)
+from ports import free_port
 from kvtier.daemon.events import kv_event_format as fmt
 
 RECEIVE_TIMEOUT_MS = 5000

@@ -9,7 +9,8 @@ import pytest
 
 from cluster_fixtures import LEASE_TTL_S, etcd, members_of, start_member, wait_members  # noqa: F401
 from daemon_proc import DEFAULT_ARGS, start_kvtierd
-from etcd_server import EtcdServer, etcd_missing_reason, free_port
+from etcd_server import EtcdServer, etcd_missing_reason
+from ports import free_port
 from kvtier.client import BlockClient
 from kvtier.client.cluster_members import ClusterUnavailable, open_members
 from kvtier.daemon.cluster.node_id import NODE_ID_FILE

@@ -7,7 +7,7 @@ from kvtier.client.routing import Rendezvous
 from kvtier.tools.admin_cli import EXIT_FAILED, EXIT_OK, main as kvtier_main
 from kvtier.tools.kvperf.cli import EXIT_OK as KVPERF_OK, run as kvperf_run
 from kvtier.tools.kvperf.content import block_key
-from etcd_server import free_port
+from ports import free_port
 
 
 def test_cluster_status_lists_members_leases_and_figures(etcd, tmp_path, capsys):

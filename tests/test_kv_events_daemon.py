@@ -169,7 +169,7 @@ def test_kv_events_are_off_by_default(kvtierd):
 
 
 def test_a_busy_kv_events_port_is_a_startup_error_naming_it(tmp_path, ctx):
-    from kv_events_fixtures import free_port
+    from ports import free_port
     from daemon_proc import start_kvtierd
     port = free_port()
     taken = ctx.socket(zmq.PUB)

@@ -401,7 +401,7 @@ def test_etcd_upstream_asks_each_key_of_its_rendezvous_owner(tmp_path):
 
 
 def test_two_daemons_naming_each_other_do_not_forward_in_a_loop(tmp_path):
-    from etcd_server import free_port
+    from ports import free_port
 
     port_a, port_b = free_port(), free_port()
     a = start_kvtierd(tmp_path / "a", "--listen", f"127.0.0.1:{port_a}", "--upstream", f"127.0.0.1:{port_b}",
