@@ -40,11 +40,7 @@ def receive_some(sock: socket.socket, conn) -> None:
     if views is None:
         conn.receive_data(sock.recv(RECV_CHUNK_BYTES))
         return
-    n = sock.recv_into(views[0]) if len(views) == 1 else sock.recvmsg_into(views)[0]
-    if n:
-        conn.payload_received(n)
-    else:
-        conn.receive_data(b"")
+    _receive_into(sock, conn, views)
 
 
 def receive_payload(sock: socket.socket, conn, landed=None) -> None:
@@ -53,10 +49,17 @@ def receive_payload(sock: socket.socket, conn, landed=None) -> None:
     bytes of the payload in so far. Returns once it is in, or at the end of the stream (fed to
     ``conn`` as ``b""``)."""
     while (views := conn.payload_views()) is not None:
-        n = sock.recv_into(views[0]) if len(views) == 1 else sock.recvmsg_into(views)[0]
-        if not n:
-            conn.receive_data(b"")
+        if not _receive_into(sock, conn, views):
             return
-        conn.payload_received(n)
         if landed is not None:
             landed(conn.payload_filled)
+
+
+def _receive_into(sock: socket.socket, conn, views: list) -> bool:
+    """One receive into the payload's ``views``; False at the end of the stream (fed to ``conn``)."""
+    n = sock.recv_into(views[0]) if len(views) == 1 else sock.recvmsg_into(views)[0]
+    if n:
+        conn.payload_received(n)
+    else:
+        conn.receive_data(b"")
+    return bool(n)
