@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import crc32c
+import numpy as np
 
 from kvtier.common.blockformat import header_for_crc
 from kvtier.common.keys import KVLayout
@@ -55,33 +56,37 @@ def layer_bits(kv: Sequence, layers: range) -> list | None:
     return bits
 
 
-def block_rows(bits: list, layout: KVLayout, index: int) -> list[memoryview] | None:
-    """Block ``index``'s payload rows out of :func:`layer_bits`; None unless each is contiguous."""
+def block_rows(bits: list, layout: KVLayout, index: int) -> list[np.ndarray] | None:
+    """Block ``index``'s payload rows out of :func:`layer_bits`; None unless each is contiguous.
+
+    The rows stay NumPy arrays, which the garbage collector does not track: a block in flight
+    holds hundreds of them, and as memoryviews they would outlive young collections and make
+    the host process's full collections frequent."""
     start, end = index * layout.block_tokens, (index + 1) * layout.block_tokens
-    rows: list[memoryview] = []
+    rows: list[np.ndarray] = []
     for tensor_bits in bits:
         block = tensor_bits[:, start:end]  # [H, block_tokens, D]
         if block.flags.c_contiguous:
-            rows.append(memoryview(block).cast("B"))
+            rows.append(block)
             continue
         for head in block:
             if not head.flags.c_contiguous:
                 return None
-            rows.append(memoryview(head).cast("B"))
+            rows.append(head)
     return rows
 
 
-def tensor_rows(block, shape: tuple) -> list[memoryview] | None:
-    """A ``shape`` block tensor's bytes as views, one per contiguous layer (``[2, H, T, D]``), or
-    None unless it is on the host and every layer of it is contiguous."""
+def tensor_rows(block, shape: tuple) -> list[np.ndarray] | None:
+    """A ``shape`` block tensor's bits as arrays (see :func:`block_rows`), one per contiguous layer
+    (``[2, H, T, D]``), or None unless it is on the host and every layer of it is contiguous."""
     if getattr(block, "device", None) is None or block.device.type != "cpu" or tuple(block.shape) != tuple(shape):
         return None
     if block.is_contiguous():
-        return [memoryview(host_bits(block).reshape(-1)).cast("B")]
+        return [host_bits(block)]
     rows = [host_bits(layer) for layer in block]
     if not all(row.flags.c_contiguous for row in rows):
         return None
-    return [memoryview(row.reshape(-1)).cast("B") for row in rows]
+    return rows
 
 
 def source_blocks(kv: Sequence, layout: KVLayout, first_block: int, keys: Sequence[bytes], layers: range,

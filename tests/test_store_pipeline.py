@@ -1,9 +1,12 @@
 """The store path: chunks gathered while earlier ones are on the wire, raw host blocks sent from the
 engine's own tensors, and loads into the caller's output."""
+import gc
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,6 +18,7 @@ from kvtier.common.blockformat import encode_block, verify_block  # noqa: E402
 from kvtier.common.keys import KVLayout, Namespace  # noqa: E402
 from kvtier.kernels import get_codec  # noqa: E402
 from kvtier.wire import connection as p  # noqa: E402
+from kvtier.wire.sockets import sendmsg_all  # noqa: E402
 from kvtier.wire.writers import encode_message  # noqa: E402
 
 from daemon_proc import start_kvtierd  # noqa: E402
@@ -115,6 +119,53 @@ def test_a_put_of_block_parts_frames_them_as_one_block_each():
     op, _, _, count, meta, payload, _ = encode_message(p.Put(1, (key,), (parts,)))
     assert op == p.Op.PUT and count == 1 and b"".join(bytes(v) for v in payload) == block
     assert meta == encode_message(p.Put(1, (key,), (block,)))[4]  # the same item length
+
+
+def test_a_block_in_flight_holds_no_object_the_garbage_collector_tracks_per_row():
+    """Hundreds of tracked wrappers per block in flight survive young collections and make the
+    host's full collections frequent: the rows, and the PUT payload built from them, are untracked."""
+    ns = Namespace("m", LAYOUT)
+    kv = _kv(LAYOUT, 64)
+    keys = ns.keys(list(range(64)))
+    source = BlockEncoder(LAYOUT, ns.id, get_codec("raw")).encode_from_source(kv, 0, keys)
+    rows = [part for parts in source.blocks for part in parts[1:]]
+    assert len(rows) == 4 * LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads
+    assert not any(gc.is_tracked(row) for row in rows)
+    payload = encode_message(p.Put(1, tuple(keys[:4]), tuple(source.blocks)))[5]
+    assert [id(part) for part in payload] == [id(part) for parts in source.blocks for part in parts]
+
+
+def test_sendmsg_all_sends_every_byte_of_shaped_buffers_across_short_sends():
+    rows = [np.full((64, 64), i, dtype=np.int16) + np.arange(64, dtype=np.int16) for i in range(40)]
+    parts = [b"head", *rows, bytearray(b""), memoryview(b"tail")]
+    expected = b"".join(bytes(memoryview(part)) for part in parts)
+    left, right = socket.socketpair()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # many short sends, most cutting a row
+    got = bytearray()
+    reader = threading.Thread(target=lambda: _read_all(right, len(expected), got))
+    reader.start()
+    try:
+        assert sendmsg_all(left, parts) == len(expected)
+    finally:
+        reader.join(10)
+        left.close()
+        right.close()
+    assert bytes(got) == expected
+
+
+def test_a_payload_buffer_that_is_not_contiguous_is_refused_before_anything_is_sent():
+    key = bytes(range(16))
+    strided = np.arange(64, dtype=np.int16).reshape(8, 8)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        p.Connection(p.Role.CLIENT).send_parts(p.Put(1, (key,), (p.BlockParts((b"h" * 64, strided)),)))
+
+
+def _read_all(sock: socket.socket, nbytes: int, into: bytearray) -> None:
+    while len(into) < nbytes:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return
+        into += chunk
 
 
 @pytest.fixture

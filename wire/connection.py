@@ -335,7 +335,7 @@ class Connection:
             rid = request_id
         if not 0 <= rid <= REQUEST_ID_MAX:
             raise ValueError(f"request id {rid} does not fit 64 bits")
-        payload_len = sum(p.nbytes for p in payload)
+        payload_len = sum(map(writers.payload_nbytes, payload))
         if count > self.limits.batch_count_max or len(meta) > self.limits.meta_bytes_max \
                 or payload_len > self.limits.payload_bytes_max:
             raise ValueError(f"{type(message).__name__} of {count} items, {len(meta)} meta bytes and {payload_len} "

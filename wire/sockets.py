@@ -13,18 +13,25 @@ SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 
 
 def sendmsg_all(sock: socket.socket, parts) -> int:
-    """Write every buffer of ``parts`` in order; the bytes sent (all of them, unless it raises)."""
-    views = [v for v in (memoryview(b).cast("B") for b in parts) if v.nbytes]
+    """Write every buffer of ``parts`` (contiguous, any shape) in order; the bytes sent (all of
+    them, unless it raises). Only a buffer cut by a short send is wrapped in a memoryview."""
+    buffers, sizes = [], []
+    for buf in parts:
+        size = memoryview(buf).nbytes
+        if size:
+            buffers.append(buf)
+            sizes.append(size)
     total, i = 0, 0
-    while i < len(views):
-        n = sock.sendmsg(views[i:i + SENDMSG_IOV_MAX])
+    while i < len(buffers):
+        n = sock.sendmsg(buffers[i:i + SENDMSG_IOV_MAX])
         total += n
         while n:
-            if n >= views[i].nbytes:
-                n -= views[i].nbytes
+            if n >= sizes[i]:
+                n -= sizes[i]
                 i += 1
             else:
-                views[i] = views[i][n:]
+                buffers[i] = memoryview(buffers[i]).cast("B")[n:]
+                sizes[i] -= n
                 n = 0
     return total
 

@@ -3,7 +3,7 @@
 :func:`encode_message` turns a message of :mod:`kvtier.wire.events` into the
 fields of its frame; the connection packs the header (:func:`kvtier.wire.frames.pack_header`)
 and checks the frame limits. Block bytes are never copied here: a payload is
-a list of memoryviews for ``sendmsg``.
+a list of the caller's buffers for ``sendmsg``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ from kvtier.wire import nixl_frames
 
 _KEYS_OPS = {m.Lookup: Op.LOOKUP, m.Get: Op.GET, m.Delete: Op.DELETE, m.Pin: Op.PIN, m.Unpin: Op.UNPIN}
 _BOOLS_REPLY_OPS = {m.DeleteReply: Op.DELETE, m.PinReply: Op.PIN, m.UnpinReply: Op.UNPIN}
+
+
+def payload_nbytes(part) -> int:
+    """The bytes of one payload buffer, which must be contiguous. Payload parts are sent as they
+    come (bytes, memoryviews, NumPy arrays), not wrapped: a wrapper per part of a block in flight
+    is an object the garbage collector tracks."""
+    view = memoryview(part)
+    if not view.c_contiguous:
+        raise ValueError(f"a payload buffer must be contiguous, got one of shape {view.shape} and strides {view.strides}")
+    return view.nbytes
 
 
 def check_key(key) -> bytes:
@@ -94,11 +104,10 @@ def encode_message(msg) -> tuple[int, int, int, int, bytes, list, int]:
             raise ValueError(f"PUT of {len(msg.keys)} keys and {len(msg.blocks)} blocks")
         flags, prefix = _ns_prefix(msg.ns_id)
         flags |= (FLAG_DURABLE if msg.durable else 0) | (FLAG_SKIP_DELETED if msg.skip_deleted else 0)
-        blocks = [[memoryview(part).cast("B") for part in b] if isinstance(b, m.BlockParts)
-                  else [memoryview(b).cast("B")] for b in msg.blocks]
-        meta = prefix + b"".join(PUT_ITEM.pack(check_key(k), sum(v.nbytes for v in views))
-                                 for k, views in zip(msg.keys, blocks))
-        return Op.PUT, flags, rid, len(blocks), meta, [v for views in blocks for v in views], 0
+        blocks = [b if isinstance(b, m.BlockParts) else (b,) for b in msg.blocks]
+        meta = prefix + b"".join(PUT_ITEM.pack(check_key(k), sum(map(payload_nbytes, parts)))
+                                 for k, parts in zip(msg.keys, blocks))
+        return Op.PUT, flags, rid, len(blocks), meta, [part for parts in blocks for part in parts], 0
     if t in (m.Flush, m.Stats):
         return (Op.FLUSH if t is m.Flush else Op.STATS), 0, rid, 0, b"", [], 0
     if t is m.Ping:
