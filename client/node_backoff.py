@@ -10,7 +10,7 @@ Bookkeeping only (no I/O; the clock is passed in, so tests use a fake one)::
     forget(live)        -> nodes the watch says are gone leave the table (no more probes)
 
 A node in backoff stays skipped while its probe is due or in flight: only a success clears
-it. ``backed_off(node_ids)`` is one boolean per member of a view, for
+it. ``backed_off(node_ids)`` is one boolean per member of a view (None while none is), for
 :meth:`~.owner_pool.OwnerBatch.placement`, which moves those owners last (stable).
 """
 from __future__ import annotations
@@ -125,10 +125,13 @@ class NodeBackoff:
                 del self._nodes[n]
                 self._forgotten += 1
 
-    def backed_off(self, node_ids: Sequence[str]) -> np.ndarray:
-        """One bool per node id: True where that node is skipped now."""
+    def backed_off(self, node_ids: Sequence[str]) -> np.ndarray | None:
+        """One bool per node id: True where that node is skipped now; None when none is."""
         with self._lock:
-            return np.array([n in self._nodes for n in node_ids], dtype=bool)
+            if not self._nodes:
+                return None
+            skipped = np.array([n in self._nodes for n in node_ids], dtype=bool)
+        return skipped if skipped.any() else None
 
     def statistics(self) -> BackoffStatistics:
         with self._lock:

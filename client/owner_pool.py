@@ -146,9 +146,8 @@ class OwnerPool:
                 raise p.ClientError("the cache is closed")
             if view.version != self._version:
                 self._sync(view)
-            backed_off = self.backoff.backed_off(view.node_ids)
             batch = OwnerBatch(view, tuple(self._daemons.get(a) for a in view.addresses),
-                               backed_off if backed_off.any() else None, self.backoff)
+                               self.backoff.backed_off(view.node_ids), self.backoff)
             held = [d for d in batch.daemons if d is not None]
             for d in held:
                 self._held[id(d)] = self._held.get(id(d), 0) + 1

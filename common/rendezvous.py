@@ -56,11 +56,15 @@ def _mix_inplace(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _key_hashes(keys: Sequence[bytes]) -> np.ndarray:
-    """One uint64 per key, from both halves of its 16 bytes."""
+def _check_key_sizes(keys: Sequence[bytes]) -> None:
     if any(len(k) != KEY_SIZE_BYTES for k in keys):
         bad = next(k for k in keys if len(k) != KEY_SIZE_BYTES)
         raise ValueError(f"keys must be {KEY_SIZE_BYTES} bytes, got one of {len(bad)}")
+
+
+def _key_hashes(keys: Sequence[bytes]) -> np.ndarray:
+    """One uint64 per key, from both halves of its 16 bytes."""
+    _check_key_sizes(keys)
     halves = np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)
     mixed = _mix_inplace(halves[:, 1].copy())
     mixed ^= halves[:, 0]
@@ -98,6 +102,9 @@ class Rendezvous:
         the owner first (column 0 is :meth:`owners`)."""
         if not 1 <= count <= len(self.members):
             raise ValueError(f"count must be 1..{len(self.members)}, got {count}")
+        if len(self.members) == 1:
+            _check_key_sizes(keys)
+            return np.zeros((len(keys), 1), dtype=np.intp)
         hashes = _key_hashes(keys)
         out = np.empty((len(hashes), count), dtype=np.intp)
         for s, part in self._passes(hashes):
@@ -146,6 +153,8 @@ def positions_by_owner(owners: np.ndarray) -> dict[int, list[int]]:
     owners = np.asarray(owners)
     if owners.size == 0:
         return {}
+    if owners.min() == owners.max():  # one owner (always, with one member)
+        return {int(owners[0]): list(range(owners.size))}
     order = np.argsort(owners, kind="stable")
     sorted_owners = owners[order]
     cuts = np.flatnonzero(np.diff(sorted_owners)) + 1

@@ -130,6 +130,8 @@ def test_groups_and_positions_by_owner():
     assert sorted(i for idx in groups.values() for i in idx) == list(range(50))
     assert all((owners[idx] == m).all() and idx == sorted(idx) for m, idx in groups.items())
     assert Rendezvous(["only:1"]).groups(keys) == {0: list(range(50))}
+    assert Rendezvous(["only:1"]).ranked(keys, 1).tolist() == [[0]] * 50
+    assert positions_by_owner(np.full(4, 3)) == {3: [0, 1, 2, 3]}
     assert Rendezvous(MEMBERS).owners([]).tolist() == []
 
 
@@ -142,6 +144,8 @@ def test_bad_input():
         Rendezvous(MEMBERS).owners([b"\x00" * 16, b"\x00" * 15])
     with pytest.raises(ValueError, match="16 bytes"):
         Rendezvous(["only:1"]).owners([b"short"])
+    with pytest.raises(ValueError, match="16 bytes"):
+        Rendezvous(["only:1"]).ranked([b"\x00" * 16, b"short"], 1)
     with pytest.raises(ValueError, match="count"):
         Rendezvous(MEMBERS).ranked(random_keys(2), len(MEMBERS) + 1)
 
