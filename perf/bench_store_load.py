@@ -39,6 +39,7 @@ install torch==2.13.0; /var/tmp/lmcache-venv/bin/pip install lmcache==0.5.6``.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -50,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -110,17 +112,21 @@ def fs_type(path: Path) -> str:
 
 
 class Meter:
-    """Wall, this process's CPU and the daemon's CPU, summed over ``with`` blocks."""
+    """Wall, this process's CPU and the daemon's CPU, summed over ``with`` blocks; and the
+    garbage collections of this process inside them (count per generation, CPU seconds)."""
 
     def __init__(self):
-        self.wall_s = self.client_s = self.daemon_s = 0.0
+        self.wall_s = self.client_s = self.daemon_s = self.gc_s = 0.0
+        self.gc_collections = [0, 0, 0]
         self.pid = None
+        self._gc_started: dict[int, float] = {}
 
     def __call__(self, pid: int) -> "Meter":
         self.pid = pid
         return self
 
     def __enter__(self) -> "Meter":
+        gc.callbacks.append(self._on_gc)
         self._d0 = process_cpu_s(self.pid)
         self._c0 = time.process_time()
         self._t0 = time.perf_counter()
@@ -130,6 +136,15 @@ class Meter:
         self.wall_s += time.perf_counter() - self._t0
         self.client_s += time.process_time() - self._c0
         self.daemon_s += process_cpu_s(self.pid) - self._d0
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        thread = threading.get_ident()  # a collection runs on whichever thread triggered it
+        if phase == "start":
+            self._gc_started[thread] = time.thread_time()
+        elif thread in self._gc_started:
+            self.gc_s += time.thread_time() - self._gc_started.pop(thread)
+            self.gc_collections[info["generation"]] += 1
 
 
 def percentiles_us(samples_s: list[float]) -> dict:
@@ -196,7 +211,8 @@ def bench_kvtier(work: Path, requests: int, request_tokens: int, total: int) -> 
         progress(f"kvtier: loaded by direct reads and checked {total / direct.wall_s / 1e9:.2f} GB/s")
         by_nixl = load_by_nixl(d, ns, reqs, outs, total, (warmup[0], warm_out)) if nixl else None
         per_gib = lambda m: {"client": m.client_s * GiB / total, "daemon": m.daemon_s * GiB / total,  # noqa: E731
-                             "total": (m.client_s + m.daemon_s) * GiB / total}
+                             "total": (m.client_s + m.daemon_s) * GiB / total,
+                             "client_gc": m.gc_s * GiB / total, "client_gc_collections": m.gc_collections}
         cpu = {"store": per_gib(store), "load": per_gib(load), "load_direct": per_gib(direct)}
         if by_nixl is not None:
             cpu["load_nixl"] = per_gib(by_nixl)
@@ -418,6 +434,9 @@ def print_table(r: dict) -> None:
              f"{k['cpu_s_per_gib']['store']['client']:6.2f} / {k['cpu_s_per_gib']['store']['daemon']:.2f}"),
             ("kvtier CPU s/GiB load: client / daemon",
              f"{k['cpu_s_per_gib']['load']['client']:6.2f} / {k['cpu_s_per_gib']['load']['daemon']:.2f}"),
+            ("kvtier client GC s/GiB (full collections), TCP store / load",
+             f"{k['cpu_s_per_gib']['store']['client_gc']:6.3f} ({k['cpu_s_per_gib']['store']['client_gc_collections'][2]})"
+             f" / {k['cpu_s_per_gib']['load']['client_gc']:.3f} ({k['cpu_s_per_gib']['load']['client_gc_collections'][2]})"),
             (f"kvtier lookup {k['lookup_us']['blocks']} blocks p50 / p99",
              f"{k['lookup_us']['p50']:6.0f} / {k['lookup_us']['p99']:.0f} us"),
             ("kvtier lookup_keys (no hashing) p50 / p99",
