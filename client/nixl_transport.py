@@ -60,6 +60,7 @@ from kvtier.wire.payload_pieces import as_bytes_view
 from .block_client import _exported
 from .nixl_arrivals import ArrivingBlocks
 from .nixl_control import ControlChannel
+from .nixl_held import HeldPutMemory, may_have_posted
 from .nixl_put_plan import PutFrame, RegisteredMemory, joined_ranges, plan_put
 from .scatter_plan import Landing, LandedBlock
 
@@ -147,6 +148,7 @@ class ClientAgent:
         self._retired: list[tuple[float, bytearray]] = []  # (free after this clock reading, buffer): never reused
         self._clock = time.monotonic
         self._lent: dict[tuple[int, int], list] = {}  # the callers' regions (lend): address, length -> [descs, lenders]
+        self.held = HeldPutMemory()  # the memory of failed NIXL_PUTs whose READ may be pending
         self.generation = 0  # bumped whenever the registered buffers change
         self._notes_lock = threading.Lock()
         self._notes: dict[tuple[str, bytes], list[bytes]] = {}  # (sender, request prefix) -> notifications
@@ -295,6 +297,7 @@ class NixlStatistics:
     put_bytes: int = 0
     put_bytes_staged: int = 0  # of ``put_bytes``, copied into a registered buffer first (not in lent memory)
     puts_refused: int = 0  # NIXL_PUTs the daemon answered with an error (their blocks went to TCP)
+    puts_held: int = 0  # failed NIXL_PUTs whose memory is held, as the daemon's READ of it may be pending
     buffers_retired: int = 0  # destination buffers never reused: a NIXL_GET into them ended before its reply
     scatters_settled: int = 0  # scatter NIXL_GETs without reply that the daemon then ended (SETTLE_TIMEOUT_S)
     scatters_unsettled: int = 0  # scatter NIXL_GETs not ended in time, or answered with an error after WRITEs
@@ -501,8 +504,8 @@ class NixlTransport:
 
     @property
     def puts(self) -> bool:
-        """Whether the daemon answers NIXL_PUT (HELLO feature ``nixl_put``)."""
-        return self._puts
+        """Whether the daemon answers NIXL_PUT (feature ``nixl_put``) and we still send them (:mod:`.nixl_held`)."""
+        return self._puts and not self.agent.held.puts_stopped
 
     def put_many(self, items, durable: bool = False, ns_id: bytes | None = None) -> list[int]:
         """PUT ``(key, block)`` items (a block: bytes-like or :class:`~kvtier.wire.events.BlockParts`)
@@ -523,10 +526,12 @@ class NixlTransport:
                               limits["payload_bytes_max"], limits["batch_count_max"], limits["meta_bytes_max"])
             with self._channel() as ch:
                 for frame in frames:
-                    seqs += self._put_frame(ch, frame, [keys[i] for i in frame.indexes], durable, ns_id)
+                    seqs += self._put_frame(ch, frame, [keys[i] for i in frame.indexes], durable, ns_id,
+                                            [piece for i in frame.indexes for piece in blocks[i]])
         return seqs
 
-    def _put_frame(self, ch: ControlChannel, frame: PutFrame, keys: list[bytes], durable: bool, ns_id) -> list[int]:
+    def _put_frame(self, ch: ControlChannel, frame: PutFrame, keys: list[bytes], durable: bool, ns_id,
+                   pieces: list) -> list[int]:
         staging = self.agent.take_buffer(frame.staged_bytes) if frame.staged_bytes else None
         if frame.staged_bytes and staging is None:
             raise NixlFetchFailed("every NIXL staging buffer is in use")
@@ -537,9 +542,14 @@ class NixlTransport:
         try:
             reply = ch.exchange(m.NixlPut(0, tuple(keys), self.agent.name, extents, durable, ns_id),
                                 while_waiting=self.agent.progress, poll_s=self._poll_s)
-        except p.RemoteError as exc:
-            self._count(puts_refused=1)
-            raise NixlFetchFailed(f"NIXL_PUT refused by the daemon: {exc}") from None
+        except BaseException as exc:
+            if may_have_posted(exc):  # its READ may still be served from these: they stay mapped (nixl_held)
+                self.agent.held.hold(pieces)
+                self._count(puts_held=1)
+            if isinstance(exc, p.RemoteError):
+                self._count(puts_refused=1)
+                raise NixlFetchFailed(f"NIXL_PUT refused by the daemon: {exc}") from None
+            raise
         finally:
             del staging
         self._count(puts=1, put_blocks=len(keys), put_bytes=frame.nbytes, put_bytes_staged=frame.staged_bytes)
