@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.client.engines.namespaces import key_namespace, page_key, request_namespace, shard_namespace
-from kvtier.client.engines.vllm.scheduler_plan import RequestState, block_op, load_range, save_range
+from kvtier.client.engines.vllm.scheduler_plan import (RequestState, block_op, interleaved_keys, load_range,
+                                                       save_range)
 from kvtier.common.keys import KVLayout, Namespace
 
 B = 4
@@ -114,3 +115,16 @@ def test_tenant_caches_open_once_and_close_the_least_recently_used():
     caches.close()
     assert [c.closed for c in opened] == [True] * 4 and b is opened[1]
     assert caches.saves() == SaveQueueStatistics(0, 0, 4, 0, 8, 20)
+
+
+def test_one_lookup_of_interleaved_rank_keys_counts_the_blocks_every_rank_holds():
+    chains = [BASE.with_extra(tp=f"{r}/3").key_chain() for r in range(3)]
+    tokens = list(range(5 * B))
+    for chain in chains:
+        chain.extend(tokens)
+    keys = interleaved_keys(chains, 1)
+    assert keys == [chains[r].keys[b] for b in range(1, 5) for r in range(3)]
+    held = {0: 4, 1: 2, 2: 3}  # leading blocks (from block 1) each rank holds
+    present = [chains[r].keys[b] for r in range(3) for b in range(1, 1 + held[r])]
+    leading = next((i for i, k in enumerate(keys) if k not in present), len(keys))
+    assert leading // len(chains) == min(held.values())

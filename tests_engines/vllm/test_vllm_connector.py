@@ -177,8 +177,18 @@ def test_tensor_parallel_ranks_agree_on_the_minimum(model_dir, kvtierd):
     toks = fresh_prompt(4 * BLOCK_TOKENS)
     store_random_blocks(conn, toks, 3, rank=0)
     store_random_blocks(conn, toks, 2, rank=1)
+    lookups = _daemon_lookups(kvtierd)
     assert conn.get_num_new_matched_tokens(make_request("tp", toks), 0) == (2 * BLOCK_TOKENS, False)
+    assert _daemon_lookups(kvtierd) == lookups + 1  # one LOOKUP asks for both ranks' blocks
+    other = fresh_prompt(2 * BLOCK_TOKENS)
+    store_random_blocks(conn, other, 2, rank=0)  # rank 1 holds none of this prompt: nothing counts
+    assert conn.get_num_new_matched_tokens(make_request("tp-other", other), 0) == (0, False)
     conn.shutdown()
+
+
+def _daemon_lookups(kvtierd) -> int:
+    with BlockClient(kvtierd.data_addr) as client:
+        return client.stats()["server"]["requests"].get("lookup", 0)
 
 
 def test_worker_save_then_load_is_byte_exact(model_dir, kvtierd):

@@ -12,7 +12,7 @@ Load it with::
     -----------------                              --------------------------------
     get_num_new_matched_tokens                     register_kv_caches   learn the paged layout
       extend the request's key chains,             start_load_kv        start one fetch per request
-      one LOOKUP per TP shard, minimum wins        wait_for_layer_load  wait for that layer, scatter it
+      one LOOKUP of every TP shard's keys          wait_for_layer_load  wait for that layer, scatter it
     update_state_after_alloc  -> load plan         save_kv_layer        gather that layer (host copy)
     build_connector_meta      -> BlockOps  ----->  wait_for_save        enqueue the saves (write-behind)
     update_connector_output   <- load errors,      get_finished         async loads done: scattered
@@ -68,6 +68,7 @@ from kvtier.client.engines.vllm.scheduler_plan import (
     BlockOp,
     RequestState,
     block_op,
+    interleaved_keys,
     load_range,
     save_range,
 )
@@ -178,13 +179,9 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0, False
         state.extend_keys(request.all_token_ids)  # only the blocks completed since the last call
         first = num_computed_tokens // self.block_tokens
-        present = len(state.chains[0].keys) - first
         cache = self.caches.get(*state.tenant)
         try:
-            for chain in state.chains:  # each TP rank's shard; all must hold a block for it to count
-                if present <= 0:
-                    break
-                present = min(present, cache.lookup_keys(chain.keys[first:first + present]))
+            present = cache.lookup_keys(interleaved_keys(state.chains, first)) // len(state.chains)
         except IO_ERRORS as exc:
             logger.warning("kvtier lookup failed (%s); request %s recomputes", exc, request.request_id)
             present = 0

@@ -59,6 +59,13 @@ class BlockOp:
         return (self.cache_salt, self.lora_name)
 
 
+def interleaved_keys(chains, first: int) -> list[bytes]:
+    """The keys of blocks ``first ..`` of every TP rank's chain, block by block (``[r0 b0, r1 b0, ...,
+    r0 b1, ...]``), for one LOOKUP of them all: its leading count divided by the ranks is the number
+    of leading blocks that every rank holds (a block counts only where all of them do)."""
+    return [key for block in zip(*(chain.keys[first:] for chain in chains)) for key in block]
+
+
 @dataclass
 class RequestState:
     """What the scheduler side knows of one live request."""
