@@ -119,9 +119,8 @@ def op_get_into(keys: Sequence[bytes], ns_id, limits: p.Limits, plan, reader_ver
                 if block is p.DEFERRED:
                     pending.append(i)
                 elif block is not None:
-                    landed = isinstance(block, tuple) and len(block) > 1  # in the plan's views (else apart)
                     got = verify_landed(block if isinstance(block, tuple) else (block,), keys[i], plan.head_nbytes,
-                                        plan.payload_crc(i) if landed else None)
+                                        plan.payload_crc(i))  # None where it landed apart
                     if got is None:
                         corrupt += 1
                         retry.append(i)
