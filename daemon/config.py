@@ -30,6 +30,8 @@ The TOML file takes the flags' names with ``_`` for ``-`` (all optional)::
     kv_events_replay_endpoint = "tcp://127.0.0.1:7413"  # and replay recent ones (ZMQ ROUTER)
     nixl = "auto"               # the NIXL transport (docs/nixl.md): auto (where installed), on, off
     nixl_tls = "self,sm,tcp"    # UCX transports for it (default: detected; shared memory, RDMA, TCP)
+    nixl_trusted = "loopback"   # the clients NIXL is served to (docs/nixl.md, "Trust"): loopback, none, or
+                                # addresses and networks ("loopback,10.0.0.0/24"); the others are served over TCP
     preplace_edges = "edge-a:7410,edge-b:7410"  # push hot prefixes to these edges (or etcd://HOST:PORT/PREFIX)
     preplace_bytes = "1g"       # per edge: the most the pusher keeps soft-pinned there
     preplace_ttl_s = 600        # a pushed prefix stays soft-pinned this long after its last push
@@ -55,6 +57,7 @@ from kvtier.daemon.engine.config import (CLEAN_REGIONS_TARGET_MAX, REGION_SIZE_D
 from kvtier.daemon.engine.eviction import EVICTION_POLICIES
 from kvtier.daemon.engine.index import HITS_MAX
 from kvtier.daemon.nixl import NIXL_MODES
+from kvtier.daemon.nixl.trust import NIXL_TRUSTED_DEFAULT, NixlTrust, NixlTrustError
 from kvtier.daemon.preplace.settings import (PREPLACE_BYTES_DEFAULT, PREPLACE_INTERVAL_S_DEFAULT,
                                              PREPLACE_TTL_S_DEFAULT, PreplaceConfigError, PreplaceSettings)
 
@@ -153,6 +156,7 @@ class DaemonConfig:
     kv_events_replay_endpoint: str | None = None  # tcp://HOST:PORT of its replay ROUTER socket
     nixl: str = "auto"  # the NIXL transport: auto (offered where nixl is importable), on (required), off
     nixl_tls: str | None = None  # UCX_TLS for the NIXL agent (None: detected, kvtier.common.ucx_env)
+    nixl_trusted: str = NIXL_TRUSTED_DEFAULT  # the clients NIXL is served to (kvtier.daemon.nixl.trust)
     preplace_edges: str | None = None  # HOST:PORT,... or etcd://HOST:PORT/PREFIX of the edges (None: off)
     preplace_bytes: int = PREPLACE_BYTES_DEFAULT
     preplace_ttl_s: float = PREPLACE_TTL_S_DEFAULT
@@ -201,6 +205,7 @@ class DaemonConfig:
             raise ConfigError(f"nixl: {self.nixl!r} is not one of {NIXL_MODES}")
         if self.nixl_tls is not None and not self.nixl_tls.strip(" ,"):
             raise ConfigError("nixl_tls: names no UCX transport (e.g. 'self,sm,tcp')")
+        self.nixl_trust  # checks nixl_trusted
         self._check_preplace()
         self.engine_config()  # the geometry: sizes, a device listed twice
 
@@ -286,6 +291,13 @@ class DaemonConfig:
     @property
     def advertise_address(self) -> tuple[str, int] | None:
         return None if self.advertise is None else parse_listen_address(self.advertise, "advertise")
+
+    @property
+    def nixl_trust(self) -> NixlTrust:
+        try:
+            return NixlTrust.parse(self.nixl_trusted)
+        except NixlTrustError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -408,6 +420,7 @@ _TOML_KEYS = {
     "kv_events_replay_endpoint": ("kv_events_replay_endpoint", _str("kv_events_replay_endpoint")),
     "nixl": ("nixl", _str("nixl")),
     "nixl_tls": ("nixl_tls", _str("nixl_tls")),
+    "nixl_trusted": ("nixl_trusted", _str("nixl_trusted")),
     "preplace_edges": ("preplace_edges", _str("preplace_edges")),
     "preplace_bytes": ("preplace_bytes", _size("preplace_bytes")),
     "preplace_ttl_s": ("preplace_ttl_s", _number("preplace_ttl_s")),
@@ -487,6 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(offered where nixl is importable; default), on (fail to start without it), off")
     ap.add_argument("--nixl-tls", metavar="LIST",
                     help="UCX_TLS for the NIXL agent, e.g. 'self,sm,tcp' (default: detected)")
+    ap.add_argument("--nixl-trusted", metavar="loopback|none|NETWORK,...",
+                    help="the clients NIXL is served to, trusted with the daemon's memory (UCX's shared-memory "
+                         "and TCP transports do not check remote keys): 'loopback' (default: this host's "
+                         "processes), 'none', or addresses and networks, e.g. 'loopback,10.0.0.0/24'; the others "
+                         "are served over TCP")
     ap.add_argument("--preplace-edges", metavar="HOST:PORT,...|etcd://HOST:PORT/PREFIX",
                     help="push the most asked-for prefixes to these edges as soft pins (default: off)")
     ap.add_argument("--preplace-bytes", help="per edge: the most the pusher keeps soft-pinned there (k/m/g; "
@@ -521,7 +539,7 @@ def config_from_args(argv: list[str] | None = None) -> DaemonConfig:
         "upstream": ("upstream", str), "upstream_token_file": ("upstream_token_file", str),
         "upstream_timeout_ms": ("upstream_timeout_ms", int),
         "kv_events_endpoint": ("kv_events_endpoint", str), "kv_events_replay_endpoint": ("kv_events_replay_endpoint", str),
-        "nixl": ("nixl", str), "nixl_tls": ("nixl_tls", str),
+        "nixl": ("nixl", str), "nixl_tls": ("nixl_tls", str), "nixl_trusted": ("nixl_trusted", str),
         "preplace_edges": ("preplace_edges", str), "preplace_bytes": ("preplace_bytes", _size("--preplace-bytes")),
         "preplace_ttl_s": ("preplace_ttl_s", float), "preplace_interval_s": ("preplace_interval_s", float),
         "preplace_token_file": ("preplace_token_file", str),

@@ -116,6 +116,8 @@ class Daemon:
                 line += f" admin={format_address(*state.admin_address[:2])}"
             if state.kv_events is not None:
                 line += f" kv_events={state.kv_events.endpoint}"
+            if state.nixl is not None:
+                line += f" nixl_served_to={self.cfg.nixl_trust.describe().replace(', ', ',').replace(' ', '-')}"
             if self.cfg.cluster is not None:
                 self._cluster = _join_cluster(self.cfg, state)
                 state.cluster = self._cluster  # the admin view's cluster figures read it
@@ -269,11 +271,18 @@ def _start_nixl(cfg: DaemonConfig, server):
     from kvtier.daemon.nixl import start_nixl
     from kvtier.daemon.nixl.agent import NixlUnavailable
     try:
-        service = start_nixl(cfg.nixl, is_loopback(cfg.listen_address[0]), cfg.nixl_tls)
+        service = start_nixl(cfg.nixl, is_loopback(cfg.listen_address[0]), cfg.nixl_tls, cfg.nixl_trust)
     except NixlUnavailable as exc:
         raise ConfigError(f"nixl = on: {exc}") from None
     if service is not None:
         server.attach_nixl(service)
+        trust = cfg.nixl_trust
+        if is_loopback(cfg.listen_address[0]) or trust.network_clients:
+            log.info("event=nixl_trust served_to=%r (nixl_trusted)", trust.describe())
+        else:
+            log.warning("event=nixl_trust served_to=%r: clients on the network are served over TCP, not NIXL; "
+                        "list the hosts trusted with this daemon's memory in nixl_trusted (docs/nixl.md, Trust)",
+                        trust.describe())
     return service
 
 

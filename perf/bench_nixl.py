@@ -50,7 +50,7 @@ def _rate(nbytes: int, seconds: list[float]) -> dict:
 
 # -- 1. end-to-end GET -------------------------------------------------------------
 def child_get(tls: str, block_mib: int, total_mib: int, rounds: int, where: str = "dram") -> dict:
-    """``where``: ``dram``, device files on tmpfs (the daemon WRITEs from their memory); ``flash``,
+    """``where``: ``dram``, device files on tmpfs (the daemon reads them into an arena, from the page cache); ``flash``,
     device files on the disk under perf/out, the blocks sealed out of the DRAM image (O_DIRECT reads),
     fetched as KVCache does, in FLASH_STREAMS GETs at once (fio gets as many jobs, one per device)."""
     from daemon_proc import start_kvtierd
@@ -104,9 +104,8 @@ def child_get(tls: str, block_mib: int, total_mib: int, rounds: int, where: str 
                     fio_rates.append(fio_devices(fio_ranges))
             stats = transport.statistics()
             transport.close()
-            served = client.stats()["nixl"].get("blocks_from_device_memory", 0)
         out = {"tls": TLS[tls], "where": where, "transport": stats.transport, "block_mib": block_mib,
-               "blocks": count, "blocks_from_device_memory": served, "tcp": _rate(nbytes, tcp_s),
+               "blocks": count, "tcp": _rate(nbytes, tcp_s),
                "nixl": _rate(nbytes, nixl_s)}
         if where == "dram":
             out["single_copy"] = single_copy(devices[0], nbytes, rounds)
@@ -413,13 +412,13 @@ def main() -> None:
 
 
 def print_table(r: dict) -> None:
-    print("| GET | UCX_TLS | blocks in | block | from device memory | kvtier TCP GET best (median) GB/s | "
+    print("| GET | UCX_TLS | blocks in | block | kvtier TCP GET best (median) GB/s | "
           "nixl best (median) GB/s | nixl / TCP (best) | ceiling: single copy or fio, best GB/s | nixl / ceiling |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for g in r["get"]:
         ceiling = g.get("single_copy") or g.get("fio_devices")
         print(f"| {g['transport']} | {g['tls']} | {g['where']} | {g['block_mib']} MiB x{g['blocks']} | "
-              f"{g['blocks_from_device_memory']} | {g['tcp']['best_gbs']:.2f} ({g['tcp']['median_gbs']:.2f}) | "
+              f"{g['tcp']['best_gbs']:.2f} ({g['tcp']['median_gbs']:.2f}) | "
               f"{g['nixl']['best_gbs']:.2f} ({g['nixl']['median_gbs']:.2f}) | "
               f"{g['nixl']['best_gbs'] / g['tcp']['best_gbs']:.2f}x | {ceiling['best_gbs']:.2f} | "
               f"{g['nixl']['best_gbs'] / ceiling['best_gbs']:.2f}x |")

@@ -52,7 +52,7 @@ class KvtierdProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=log, env=env)
         log.close()
-        line = self._read_ready_line()
+        line = self.ready_line = self._read_ready_line()
         m = READY_RE.match(line)
         self.data_addr, self.admin_addr = m.group(1), m.group(2)
 

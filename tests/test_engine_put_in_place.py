@@ -319,32 +319,3 @@ def test_a_commit_that_fails_after_placing_is_taken_back_and_frees_the_open_regi
     assert not writer.is_alive(), "a later PUT still waits for the failed commit's reservation"
     assert present(engine, [1, 2, 3]) == [2]
     engine.close()
-
-
-def test_an_abandoned_reservation_moves_the_open_region_off_the_memory_late_bytes_may_still_reach():
-    """A reservation given up on while something may still write its view (a NIXL READ that a
-    release does not stop): the blocks placed before it and after it never see those late bytes,
-    in DRAM or on flash, and the abandoned blocks are never stored."""
-    engine, cfg, devs = mem_engine()
-    before = [block(i, 3000) for i in range(2)]
-    put_in_place(engine, before, durable=True)
-    abandoned = [block(10 + i, 5000) for i in range(2)]
-    reservation = reserve(engine, abandoned)
-    fill_into(reservation, abandoned[:1])  # the first block arrived, the rest is still on its way
-    old = engine.abandon_put(reservation)
-    assert old is reservation.image
-    engine.abort_put(reservation)  # a no-op: abandoning resolved it
-    after = [block(20 + i, 5000) for i in range(2)]
-    moved = reserve(engine, after[:1])
-    assert moved.offset == reservation.offset and moved.image is not old, "the open region still uses the old image"
-    engine.abort_put(moved)
-    put_in_place(engine, after[:1], durable=True)  # stored where the abandoned room was
-    engine.put_many(after[1:], durable=True)
-    fill_into(reservation, [block(30 + i, 5000) for i in range(2)])  # the late bytes land in the old image
-    assert all(same_block(engine.get(key(i)), b) for i, b in zip([0, 1, 20, 21], before + after))
-    assert present(engine, [10, 11]) == []
-    engine = reopen(cfg, devs)  # a crash: what reached flash
-    assert all(same_block(engine.get(key(i)), b) for i, b in zip([0, 1, 20, 21], before + after))
-    assert present(engine, [10, 11, 30, 31]) == []
-    seal(engine)
-    engine.close()

@@ -22,10 +22,10 @@ from test_nixl_transport import LOOPBACK_ENV, NS, put_blocks, start_nixl_daemon 
 from kvtier.client import BlockClient  # noqa: E402
 from kvtier.client.nixl_transport import NixlFetchFailed, NixlTransport  # noqa: E402
 from kvtier.common.blockformat import encode_block  # noqa: E402
-from kvtier.daemon.nixl.puts import IMAGES_ABANDONED_MAX  # noqa: E402
 
 os.environ.update(LOOPBACK_ENV)
 PAYLOAD_BYTES = (8 << 20) - 64  # one block: far more than the socket buffers hold
+STOPPED_CLIENTS = 2
 DRAIN_S = 3.0  # both agents progressed this long: what the READ left on its way lands
 POLL_S = 0.01
 STALL_WAIT_S = 20.0  # the daemon's TRANSFER_TIMEOUT_S (5 s), with room on a loaded machine
@@ -44,12 +44,12 @@ def _nixl_stats(addr: str) -> dict:
 
 
 @contextmanager
-def _stalled_put(transport: NixlTransport, monkeypatch, seed: int):
+def _stalled_put(transport: NixlTransport, monkeypatch, seed: int, payload_bytes: int = PAYLOAD_BYTES):
     """A NIXL_PUT whose READ the daemon gives up on: this agent does not progress while it waits for the
     reply, and its block stays lent (a client that stalls serves the READ from memory still lent to
     NIXL once it progresses again, before it reads the reply)."""
     key = bytes([seed]) * 16
-    block = bytearray(encode_block(key, NS, 0, os.urandom(PAYLOAD_BYTES)))
+    block = bytearray(encode_block(key, NS, 0, os.urandom(payload_bytes)))
     with transport.agent.lend(memoryview(block)):
         with monkeypatch.context() as patch:
             patch.setattr(transport.agent, "progress", lambda: None)
@@ -76,17 +76,19 @@ def test_the_late_bytes_of_a_put_read_given_up_on_never_land_in_a_block_stored_s
     transport = NixlTransport(daemon.data_addr, timeout_s=60.0)
     try:
         del transport.get_many(small_keys, lengths, seqs, NS)[0]  # the agents' endpoint is wired up
-        with _stalled_put(transport, monkeypatch, seed=0x92):
+        # two PUTs of a 32 MiB block: two transient request buffers, PARKED_BYTES_PER_PEER_MAX (64 MiB) together
+        with _stalled_put(transport, monkeypatch, seed=0x92, payload_bytes=(32 << 20) - 64), \
+                _stalled_put(transport, monkeypatch, seed=0x93, payload_bytes=(32 << 20) - 64):
             stalled = _nixl_stats(daemon.data_addr)
-            assert stalled["timeouts"] == 1 and stalled["reads_parked"] == 1 and stalled["parked_now"] == 1
-            assert stalled["put_images_abandoned"] == 1  # the open region moved on to a fresh image
+            assert stalled["timeouts"] == 2 and stalled["reads_parked"] == 2 and stalled["parked_now"] == 2
+            assert stalled["parked_bytes"] >= 64 << 20  # the request buffer the READ may still land in
             with monkeypatch.context() as patch:  # a client holding that much gets nothing more posted
                 patch.setattr(transport.agent, "progress", lambda: None)
                 with pytest.raises(NixlFetchFailed, match="PARKED_BYTES_PER_PEER_MAX"):
                     transport.get_many(small_keys, lengths, seqs, NS)
             assert _nixl_stats(daemon.data_addr)["refused_parked"] == 1
             # the room that PUT had in the open region: a durable PUT of another block is stored there
-            key = bytes([0x93]) * 16
+            key = bytes([0x9a]) * 16
             block = encode_block(key, NS, 0, os.urandom(PAYLOAD_BYTES))
             with BlockClient(daemon.data_addr) as client:
                 client.put_many([(key, block)], durable=True)
@@ -105,11 +107,11 @@ def test_the_late_bytes_of_a_put_read_given_up_on_never_land_in_a_block_stored_s
     with BlockClient(daemon.data_addr) as client:
         got = client.get(key)
         assert got is not None and bytes(got)[64:] == block[64:]
-        assert client.get(bytes([0x92]) * 16) is None  # the PUT that answered an error stored nothing
+        assert client.get(bytes([0x92]) * 16) is None and client.get(bytes([0x93]) * 16) is None  # the PUT that failed
 
 
 def test_a_put_read_given_up_on_keeps_its_request_buffer_until_nixl_ends_it(daemon, monkeypatch):
-    """A block already stored is READ into a request buffer (the copying way), not into the open region."""
+    """The request buffer (an arena) a READ given up on may still land in stays lent until NIXL ends it."""
     small_keys, _, small = put_blocks(daemon.data_addr, 1, 10_000, seed=94)
     lengths, seqs = [small[0].length], [small[0].seq]
     key = bytes([0x95]) * 16
@@ -121,7 +123,7 @@ def test_a_put_read_given_up_on_keeps_its_request_buffer_until_nixl_ends_it(daem
         with _stalled_put(transport, monkeypatch, seed=0x95):
             stalled = _nixl_stats(daemon.data_addr)
             assert stalled["reads_parked"] == 1 and stalled["parked_now"] == 1
-            assert stalled["put_images_abandoned"] == 0 and stalled["parked_bytes"] >= PAYLOAD_BYTES
+            assert stalled["parked_bytes"] >= PAYLOAD_BYTES
             with BlockClient(daemon.data_addr) as client:
                 assert client.stats()["buffers"]["lent"] == 1  # the arena the READ may still land in
             _drain(transport, small_keys, lengths, seqs)
@@ -141,37 +143,37 @@ def _wait_for(addr: str, field: str, value: int) -> dict:
     return stats
 
 
-def test_images_held_for_stopped_clients_are_bounded_and_given_back_when_those_clients_die(daemon):
-    """Each client stopped mid NIXL_PUT holds one old open-region image; past IMAGES_ABANDONED_MAX,
-    NIXL_PUTs are read into request buffers and copied; a client that dies ends its READ."""
+def test_buffers_held_for_stopped_clients_are_given_back_when_those_clients_die(daemon):
+    """Each client stopped mid NIXL_PUT holds its request buffer; others are served meanwhile; a client
+    that dies ends its READ, and the buffer goes back to the pool."""
     children = []
     try:
-        for i in range(IMAGES_ABANDONED_MAX):
+        for i in range(STOPPED_CLIENTS):
             children.append(start_misbehaving_peer(daemon.data_addr, "put-stop", NS, [bytes([0xa0, i]) * 8],
                                                    [PAYLOAD_BYTES + 64]))
-            _wait_for(daemon.data_addr, "put_images_abandoned", i + 1)
-        assert _nixl_stats(daemon.data_addr)["parked_now"] == IMAGES_ABANDONED_MAX
+            _wait_for(daemon.data_addr, "reads_parked", i + 1)
+        assert _nixl_stats(daemon.data_addr)["parked_now"] == STOPPED_CLIENTS
         transport = NixlTransport(daemon.data_addr, timeout_s=60.0)
         try:
             before = _nixl_stats(daemon.data_addr)
             key = bytes([0xa8]) * 16
             block = encode_block(key, NS, 0, os.urandom(1 << 20))
             transport.put_many([(key, block)], ns_id=NS)
-            after = _nixl_stats(daemon.data_addr)
-            assert after["put_blocks_copied"] == before["put_blocks_copied"] + 1
-            assert after["put_blocks_in_place"] == before["put_blocks_in_place"]
-            for child in children:  # its READ fails with its endpoint: the image it held is given back
+            assert _nixl_stats(daemon.data_addr)["put_blocks"] == before["put_blocks"] + 1
+            for child in children:  # its READ fails with its endpoint: the buffer it held is given back
                 child.kill()
                 child.wait()
             _wait_for(daemon.data_addr, "parked_now", 0)
+            with BlockClient(daemon.data_addr) as client:
+                assert client.stats()["buffers"]["lent"] == 0
             key = bytes([0xa9]) * 16
             transport.put_many([(key, encode_block(key, NS, 0, os.urandom(1 << 20)))], ns_id=NS)
-            assert _nixl_stats(daemon.data_addr)["put_blocks_in_place"] == after["put_blocks_in_place"] + 1
+            assert _nixl_stats(daemon.data_addr)["put_blocks"] == before["put_blocks"] + 2
         finally:
             transport.close()
         with BlockClient(daemon.data_addr) as client:
             assert bytes(client.get(bytes([0xa8]) * 16))[64:] == block[64:]
-            assert all(client.get(bytes([0xa0, i]) * 8) is None for i in range(IMAGES_ABANDONED_MAX))
+            assert all(client.get(bytes([0xa0, i]) * 8) is None for i in range(STOPPED_CLIENTS))
     finally:
         for child in children:
             child.kill()

@@ -5,10 +5,10 @@ made the daemon create its agent.
 * transfers     ``kvtier_nixl_transfers_total{op="write"|"read"}`` (NIXL_GET WRITEs, NIXL_PUT READs)
   and ``kvtier_nixl_transferred_bytes_total{op}``
 * failures      ``kvtier_nixl_failures_total``, ``kvtier_nixl_timeouts_total`` (TRANSFER_TIMEOUT_S)
-* NIXL_PUT      ``kvtier_nixl_put_blocks_total{path="in_place"|"copied"}``,
-  ``kvtier_nixl_put_images_abandoned_total``
-* GET           ``kvtier_nixl_blocks_from_device_memory_total``
-* the agent     ``kvtier_nixl_peers``, ``kvtier_nixl_registered_bytes``, ``kvtier_nixl_info{transport,ucx_tls}``
+* NIXL_PUT      ``kvtier_nixl_put_blocks_total``
+* trust         ``kvtier_nixl_refused_untrusted_total`` (clients ``nixl_trusted`` does not name)
+* the agent     ``kvtier_nixl_peers``, ``kvtier_nixl_registered_bytes`` (the transfers in flight),
+  ``kvtier_nixl_info{transport,ucx_tls}``
 * late transfers ``kvtier_nixl_gets_peer_gone_total``, ``kvtier_nixl_writes_parked_total``,
   ``kvtier_nixl_reads_parked_total``, ``kvtier_nixl_parked_transfers``, ``kvtier_nixl_parked_bytes``,
   ``kvtier_nixl_refused_parked_total`` (PARKED_BYTES_PER_PEER_MAX)
@@ -24,13 +24,11 @@ _SINGLE = (
     ("failures", "kvtier_nixl_failures", CounterMetricFamily, "NIXL transfers that failed to post or to complete."),
     ("timeouts", "kvtier_nixl_timeouts", CounterMetricFamily,
      "NIXL transfers abandoned after TRANSFER_TIMEOUT_S (a stopped or dead client)."),
-    ("blocks_from_device_memory", "kvtier_nixl_blocks_from_device_memory", CounterMetricFamily,
-     "NIXL_GET blocks WRITten straight from memory-backed devices."),
     ("peers", "kvtier_nixl_peers", GaugeMetricFamily, "Client agents loaded now."),
     ("registered_bytes", "kvtier_nixl_registered_bytes", GaugeMetricFamily,
-     "Daemon buffers registered with NIXL now, devices and open-region images aside."),
-    ("device_memory_bytes", "kvtier_nixl_fixed_bytes", GaugeMetricFamily,
-     "Memory registered for the agent's life: memory-backed devices and the open-region images."),
+     "Daemon memory registered with NIXL now: the buffers of the transfers in flight (or parked)."),
+    ("refused_untrusted", "kvtier_nixl_refused_untrusted", CounterMetricFamily,
+     "NIXL requests refused: their client is not one nixl_trusted names (served over TCP)."),
     ("gets_peer_gone", "kvtier_nixl_gets_peer_gone", CounterMetricFamily,
      "NIXL_GETs ended unanswered, nothing more posted: their client had shut down its side."),
     ("writes_parked", "kvtier_nixl_writes_parked", CounterMetricFamily,
@@ -40,7 +38,7 @@ _SINGLE = (
     ("parked_now", "kvtier_nixl_parked_transfers", GaugeMetricFamily,
      "Parked WRITEs and READs NIXL has not ended yet."),
     ("parked_bytes", "kvtier_nixl_parked_bytes", GaugeMetricFamily,
-     "Daemon memory parked transfers hold out of use now (request buffers, open-region images)."),
+     "Daemon memory parked transfers hold out of use now (request buffers)."),
     ("refused_parked", "kvtier_nixl_refused_parked", CounterMetricFamily,
      "NIXL requests refused BUSY: their client's parked transfers held PARKED_BYTES_PER_PEER_MAX."),
 )
@@ -62,12 +60,5 @@ def nixl_families(stats: dict) -> Iterable[Metric]:
     yield from (transfers, moved)
     for field, name, family, help_text in _SINGLE:
         yield family(name, help_text, value=stats[field])
-    if "put_blocks_in_place" in stats:
-        puts = CounterMetricFamily("kvtier_nixl_put_blocks", "NIXL_PUT blocks stored, by how they were received.",
-                                   labels=["path"])
-        puts.add_metric(["in_place"], stats["put_blocks_in_place"])
-        puts.add_metric(["copied"], stats["put_blocks_copied"])
-        yield puts
-        yield CounterMetricFamily("kvtier_nixl_put_images_abandoned",
-                                  "Open-region images moved away from a NIXL_PUT READ given up on in flight.",
-                                  value=stats["put_images_abandoned"])
+    if "put_blocks" in stats:
+        yield CounterMetricFamily("kvtier_nixl_put_blocks", "NIXL_PUT blocks stored.", value=stats["put_blocks"])

@@ -87,20 +87,6 @@ class Allocator:
         self.reservation = None
         self._unreserved.notify_all()
 
-    def move_open_image(self) -> memoryview:
-        """Move the open region's image to a fresh buffer that holds all of it but the reservation's
-        room (zero there, as free room is), and return the old buffer: something that may still
-        write into that room (a transfer a release does not stop) then lands where nothing reads.
-        Called under the lock with the reservation in flight, so no append, seal or reset races the
-        copy; a commit still writing from the old buffer writes the same bytes as the new one holds."""
-        image, reservation = self.open, self.reservation
-        assert self.active and reservation is not None and reservation.offset == image.data_end
-        fresh = aligned_buffer(self._region_size, populate=True, huge=True)
-        fresh[:image.data_end] = image.buffer[:image.data_end]
-        fresh[image.summary_start:] = image.buffer[image.summary_start:]
-        old, image.buffer = image.buffer, fresh
-        return old
-
     @property
     def capacity_bytes(self) -> int:
         """Room for blocks in an empty region."""

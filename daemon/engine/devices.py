@@ -31,7 +31,6 @@ from kvtier.common.views import views_past
 
 from .devicelock import DeviceBusy, block_device_busy, lock_file
 from .errors import DeviceError
-from .memory_backed import map_read_only, on_memory_filesystem
 
 log = logging.getLogger("kvtier.daemon.engine")
 
@@ -54,12 +53,6 @@ class Device(ABC):
         total = self._check(offset, buffers, "write")
         if total:
             self._write(offset, buffers, total)
-
-    def memory(self) -> memoryview | None:
-        """The device's bytes as read-only memory, where they already live in DRAM (a device on a
-        memory filesystem, the in-memory device); None otherwise. Reads of it race later writes:
-        a reader verifies what it took from here as it does a device read."""
-        return None
 
     @abstractmethod
     def sync(self) -> None:
@@ -128,17 +121,6 @@ class FileDevice(Device):
         if not exists:
             self._reserve(create_size_bytes)
         self.size_bytes = os.lseek(self._fd, 0, os.SEEK_END)
-        self._mapping = None
-        self._mapping_lock = threading.Lock()
-        self._memory_checked = False
-
-    def memory(self) -> memoryview | None:
-        with self._mapping_lock:  # mapped once, by the first caller
-            if not self._memory_checked:
-                self._memory_checked = True
-                if not self.is_block_device and self.size_bytes and on_memory_filesystem(self.name):
-                    self._mapping = map_read_only(self._fd, self.size_bytes)
-        return None if self._mapping is None else memoryview(self._mapping).toreadonly()
 
     def _lock(self) -> None:
         try:
@@ -198,11 +180,6 @@ class FileDevice(Device):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._mapping is not None:
-                try:
-                    self._mapping.close()
-                except BufferError:  # views of it still registered for transfers: unmapped at exit
-                    pass
             os.close(self._fd)
 
 
@@ -230,9 +207,6 @@ class MemoryDevice(Device):
             view = memoryview(buf).cast("B")
             self.data[pos:pos + view.nbytes] = view
             pos += view.nbytes
-
-    def memory(self) -> memoryview | None:
-        return memoryview(self.data).toreadonly()
 
     def sync(self) -> None:
         self.syncs += 1

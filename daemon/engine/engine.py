@@ -53,7 +53,7 @@ from .config import EngineConfig
 from .devices import Device
 from .durability import Durability
 from .errors import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError
-from .get_driver import BlockInMemory, GetDriver
+from .get_driver import GetDriver
 from .index import PINNED_BIT
 from .locations import LOCATION_DTYPE, BlockLocation
 from .pins_and_deletes import PinsAndDeletes
@@ -295,10 +295,6 @@ class Engine:
     def abort_put(self, reservation: Reservation) -> None:
         self._in_place.abort(reservation)
 
-    def abandon_put(self, reservation: Reservation) -> memoryview:
-        """:meth:`abort_put` while the view may still be written: see :meth:`InPlacePuts.abandon`."""
-        return self._in_place.abandon(reservation)
-
     # -- get: one driver (get_driver.GetDriver) behind every form ---------------
     def get(self, key) -> bytes | None:
         """The whole verified block, or None (absent or failed verification)."""
@@ -330,17 +326,6 @@ class Engine:
         checks header, key and seq of blocks read from flash but not the payload CRC: for a
         caller passing the block to a reader that checks it (the daemon's GET)."""
         return self._gets.get(keys, bufs, placed=True, verify_payload=verify_payload)
-
-    def blocks_in_memory(self, keys: Sequence) -> list[BlockInMemory | None]:
-        """Per key, the block as the device memory it lies in (every device memory-backed: a
-        memory filesystem, the in-memory device), its header checked there, or None; see
-        :meth:`GetDriver.in_memory`. The payload may change under a reclaim: for readers that
-        verify it after taking it (a NIXL WRITE straight from this memory)."""
-        return self._gets.in_memory(keys)
-
-    def device_memories(self) -> tuple[memoryview, ...] | None:
-        """Every device's bytes as read-only memory, or None unless all are memory-backed."""
-        return self._array.memories()
 
     def record_misses(self, count: int) -> None:
         """Count GETs of keys a caller found absent with :meth:`locate_buffer` and so

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, check_header, decode_header
 
 from . import regionfmt as fmt
 from .allocator import Allocator
@@ -32,15 +30,6 @@ from .reader import BlockReader, ReadFailure
 from .statistics import EngineCounters
 
 READ_RETRIES = 1  # a flash read that fails verification is retried once (it may have raced a reclaim)
-
-
-@dataclass(frozen=True)
-class BlockInMemory:
-    """A block on a memory-backed device: the pieces of device memory it lies in, in order."""
-
-    pieces: list[memoryview]
-    length: int
-    seq: int
 
 
 class GetDriver:
@@ -119,36 +108,6 @@ class GetDriver:
                     results[i] = (0, nbytes) if placed else nbytes
         return pending
 
-    def in_memory(self, keys: Sequence) -> list[BlockInMemory | None]:
-        """Per key, the block as device memory, where every device holds its bytes in DRAM and the
-        block is on them (sealed, or written in place and synced), its header checked there (magic,
-        CRC, key, seq, length); None for every other key (absent, only in a DRAM image, on devices
-        that are not memory, or failing that check: the caller reads those the usual way). The
-        payload is not checked: the bytes may change under a reclaim once the lock is let go, so
-        only a reader that verifies the CRC of what it took may use them. Counted and touched as
-        reads of the blocks returned."""
-        results: list[BlockInMemory | None] = [None] * len(keys)
-        if not keys or self._array.memories() is None:
-            return results
-        keys = [bytes(k) for k in keys]
-        k0, k1 = fmt.keys_to_halves(keys)
-        with self._lock:
-            self._check_open()
-            hit, addr, length, seq, on_flash = (a.tolist() for a in self._blocks.resolve(
-                k0, k1, self._allocator.image_regions(), durable_ends=self._allocator.image_durable_ends()))
-            for i, at, nbytes, sq, readable in zip(hit, addr, length, seq, on_flash):
-                if readable:
-                    pieces = self._array.memory_pieces(at, nbytes)
-                    if _header_matches(pieces, keys[i], sq, nbytes):
-                        results[i] = BlockInMemory(pieces, nbytes, sq)
-            served = [i for i, block in enumerate(results) if block is not None]
-            if served:
-                self._blocks.index.count_hits(self._blocks.index.find_many(k0[served], k1[served]))
-                addr_of = dict(zip(hit, addr))
-                self._touch_regions([addr_of[i] for i in served])
-        self.count_gets(len(served), len(served), sum(results[i].length for i in served))
-        return results
-
     def _touch_regions(self, addrs: list[int]) -> None:
         """Touch the regions of these blocks for the eviction policy, each once, in the order of
         its last block (the order one touch per block would leave)."""
@@ -198,15 +157,3 @@ class GetDriver:
                     self._blocks.forget(np.array([slot]))
                     self._counters.corrupt_reads += 1
 
-
-def _header_matches(pieces: list[memoryview], key: bytes, seq: int, length: int) -> bool:
-    head = bytearray()
-    for piece in pieces:
-        head += piece[:HEADER_SIZE - len(head)]
-        if len(head) == HEADER_SIZE:
-            break
-    try:
-        check_header(decode_header(head), length, key, seq)
-    except BlockFormatError:
-        return False
-    return True

@@ -8,9 +8,6 @@
     commit ──no lock: header, key, length and payload CRC checked where the bytes landed──>
            ──lock──> seqs stamped, summary entries, index ──durable?──> written and synced
     abort  ──> the view zeroed, the room given back
-    abandon ─> (the view may still be written: a NIXL READ given up on) the open image moved to a
-               fresh buffer without the view's bytes, the room given back there, the old buffer
-               handed to the caller to hold until nothing writes into it
 
 At most one reservation is in flight (:attr:`Allocator.reservation`); while it is, every other
 writer of the open image waits (:meth:`Allocator.wait_unreserved`) and the image is not sealed,
@@ -183,17 +180,6 @@ class InPlacePuts:
         with self._lock:
             if not reservation.resolved:
                 self._release(reservation)
-
-    def abandon(self, reservation: Reservation) -> memoryview:
-        """Give the room back while something may still write into it (a NIXL READ given up on in
-        flight): the open image moves to a fresh buffer first (:meth:`Allocator.move_open_image`),
-        and the room is given back there. Returns the old buffer, which the caller keeps out of use
-        until nothing can write into it any more."""
-        with self._lock:
-            assert not reservation.resolved, "abandoned a reservation already committed or aborted"
-            old = self._allocator.move_open_image()
-            self._release(reservation)
-        return old
 
     def _release(self, reservation: Reservation) -> None:
         image = self._allocator.open

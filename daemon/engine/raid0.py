@@ -33,21 +33,6 @@ class StripedArray:
         self.devices = tuple(devices)
         self.geometry = geometry
         self._pool = pool
-        self._memories: tuple | None = None
-
-    def memories(self) -> tuple[memoryview, ...] | None:
-        """Every device's bytes as memory (:meth:`Device.memory`), or None unless all of them have it."""
-        if self._memories is None:
-            self._memories = tuple(device.memory() for device in self.devices)
-        return None if any(m is None for m in self._memories) else self._memories
-
-    def memory_pieces(self, logical_offset: int, length: int) -> list[memoryview] | None:
-        """The range as the pieces of device memory it lies in, in order (None: not every device is
-        memory). Any offset and length: these are views, not device I/O."""
-        memories = self.memories()
-        if memories is None:
-            return None
-        return [memories[dev][off:off + n] for dev, off, n in self.geometry.map_range(logical_offset, length)]
 
     def plan(self, logical_offset: int, view: memoryview) -> dict[int, list[tuple[int, list[memoryview]]]]:
         """``{device_index: [(device_offset, [buffers]), ...]}`` for one range."""

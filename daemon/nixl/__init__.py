@@ -14,10 +14,11 @@ log = logging.getLogger("kvtier.daemon.nixl")
 NIXL_MODES = ("auto", "on", "off")
 
 
-def start_nixl(mode: str, loopback_only: bool, tls_override: str | None = None):
-    """A :class:`~.service.NixlService`, or None when ``mode`` is off or NIXL is not importable
-    (auto). ``on`` creates the agent now (NixlUnavailable says why it cannot be); ``auto``
-    when the first client asks for it, so a daemon no client uses NIXL with pays nothing."""
+def start_nixl(mode: str, loopback_only: bool, tls_override: str | None = None, trust=None):
+    """A :class:`~.service.NixlService` serving the clients ``trust`` (a :class:`~.trust.NixlTrust`;
+    default: loopback) trusts, or None when ``mode`` is off or NIXL is not importable (auto). ``on``
+    creates the agent now (NixlUnavailable says why it cannot be); ``auto`` when the first client
+    asks for it, so a daemon no client uses NIXL with pays nothing."""
     if mode == "off":
         return None
     if mode == "auto" and importlib.util.find_spec("nixl_cu12") is None:
@@ -25,7 +26,9 @@ def start_nixl(mode: str, loopback_only: bool, tls_override: str | None = None):
         return None
     from kvtier.daemon.nixl.agent import DaemonAgent
     from kvtier.daemon.nixl.service import NixlService
-    service = NixlService(lambda: DaemonAgent(loopback_only, tls_override))
+    from kvtier.daemon.nixl.trust import NIXL_TRUSTED_DEFAULT, NixlTrust
+    service = NixlService(lambda: DaemonAgent(loopback_only, tls_override),
+                          trust=NixlTrust.parse(NIXL_TRUSTED_DEFAULT) if trust is None else trust)
     if mode == "on":
         service.agent()
     return service

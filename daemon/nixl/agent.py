@@ -6,12 +6,14 @@ thread: the connection thread that posted a WRITE polls it to completion (the
 client, the waiting side, keeps its progress thread). Connection threads share
 the agent, so it is made thread-safe (``NIXL_THREAD_SYNC_STRICT``).
 
-The buffers a GET's blocks are read into (request arenas, transient buffers) are
-registered the first time a transfer uses them and stay registered while the
-daemon holds them, within ``REGISTERED_BYTES_MAX``: beyond it the least recently
-used registration not in use is dropped. The cache holds a reference to each
-registered buffer, so memory NIXL knows of is never freed under it. Memory-backed
-devices are registered once, for the agent's life (:meth:`DaemonAgent.register_fixed`).
+A client is handed what it needs to be reached and nothing more: the agent's connection
+information, no memory section (:meth:`DaemonAgent.metadata`), so no client learns an address or
+remote key of the daemon's. And the agent holds registered only the memory of the transfers in
+flight: a request's buffer (arena, transient buffer) is registered when its transfer is posted and
+deregistered when the transfer ends (a parked one keeps it until NIXL has ended it), so what a
+peer could reach at any moment holds only the requests in flight, never the devices or the open
+region. The registration holds a reference to its buffer, so memory NIXL knows of is never freed
+under it.
 A NIXL_GET's WRITEs are one :class:`Transfer`, posted part by part, none once the client has
 shut down its side of the connection (:class:`NixlPeerGone`); a NIXL_PUT's READs are another. A NIXL
 release does not stop a transfer in flight, so one given up on while a part is still in flight is
@@ -29,7 +31,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +43,6 @@ log = logging.getLogger("kvtier.daemon.nixl")
 
 TRANSFER_TIMEOUT_S = 5.0  # a WRITE not DONE by then is abandoned (a dead or stalled client): 256 MiB at 50 MB/s
 PARKED_POLL_S = 0.002  # how often parked transfers are checked while a request waits for them to end
-REGISTERED_BYTES_MAX = 2 << 30  # daemon buffers kept registered: every arena (512 MiB) and idle transient buffer
 
 
 class NixlUnavailable(RuntimeError):
@@ -91,10 +91,8 @@ class AgentStatistics:
     transport: str  # the best UCX transport this agent allows ("sm", "rdma", "tcp")
     ucx_tls: str
     peers: int
-    registered_buffers: int
+    registered_buffers: int  # the buffers of the transfers in flight (and parked), registered for them alone
     registered_bytes: int
-    device_memories: int  # buffers registered for the agent's life: memory-backed devices, the open-region images
-    device_memory_bytes: int
     writes: int
     bytes_written: int
     reads: int  # NIXL_PUTs' READs of client memory
@@ -112,7 +110,7 @@ class DaemonAgent:
 
     def __init__(self, loopback_only: bool, tls_override: str | None = None,
                  transfer_timeout_s: float = TRANSFER_TIMEOUT_S):
-        api = load_nixl()
+        self._api = api = load_nixl()
         self.plan: TransportPlan = apply_ucx_environment(True, loopback_only, tls_override)
         self.name = f"kvtierd-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
@@ -125,9 +123,7 @@ class DaemonAgent:
             raise NixlUnavailable("NIXL's UCX backend is not available here")
         self._timeout_s = transfer_timeout_s
         self._lock = threading.Lock()
-        self._registered: OrderedDict[tuple[int, int], tuple[object, object]] = OrderedDict()  # -> (buffer, descs)
-        self._in_use: dict[tuple[int, int], int] = {}
-        self._fixed: dict[tuple[int, int], tuple[object, object]] = {}  # registered for the agent's life
+        self._registered: dict[tuple[int, int], list] = {}  # (address, length) -> [buffer, descs, transfers]
         self._peers: dict[str, int] = {}  # remote agent -> sessions (and parked transfers) that hold it
         self._parked: list[tuple[Transfer, Callable[[], None], int]] = []  # (transfer, give back its sources, bytes)
         self._reaping = threading.Lock()  # one thread checks the parked transfers at a time
@@ -135,7 +131,10 @@ class DaemonAgent:
         self._parked_counts = {"WRITE": 0, "READ": 0}
 
     def metadata(self) -> bytes:
-        return bytes(self._agent.get_agent_metadata())
+        """What a client needs to be reached by this agent: its connection information, no memory
+        section (a client never transfers on its own; a section would hand it an address and key)."""
+        nothing = self._api.nixlBind.nixlRegDList(self._agent.nixl_mems["DRAM"], [])
+        return bytes(self._agent.get_partial_agent_metadata(nothing, True, ["UCX"]))
 
     # -- peers --------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
@@ -163,62 +162,25 @@ class DaemonAgent:
             log.info("event=nixl_peer_remove_failed agent=%s error=%s", name, exc)
 
     # -- registration ---------------------------------------------------------
-    def deregister_fixed(self, buffer) -> None:
-        """Forget a buffer :meth:`register_fixed` registered (a retired open-region image), once no
-        transfer may touch it any more."""
-        with self._lock:
-            entry = self._fixed.pop((buffer_address(buffer), memoryview(buffer).nbytes), None)
-            if entry is not None:
-                self._agent.deregister_memory(entry[1], backends=["UCX"])
-
-    def register_fixed(self, buffers) -> None:
-        """Register buffers that outlive the agent (memory-backed devices) once, for good: WRITEs may
-        then name any address inside them without registering anything per transfer. A buffer
-        NIXL refuses raises NixlTransferError, and none of this call's is kept registered."""
-        with self._lock:
-            added = []
-            try:
-                for buffer in buffers:
-                    key = (buffer_address(buffer), memoryview(buffer).nbytes)
-                    if key not in self._fixed:
-                        descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM", backends=["UCX"])
-                        self._fixed[key] = (buffer, descs)
-                        added.append(key)
-            except Exception as exc:
-                for key in added:
-                    self._agent.deregister_memory(self._fixed.pop(key)[1], backends=["UCX"])
-                raise NixlTransferError(f"NIXL cannot register device memory: {type(exc).__name__}: {exc}") from None
-
     def _register(self, buffer: memoryview) -> tuple[int, int]:
+        """Register ``buffer`` for a transfer (a second transfer of the same buffer shares it)."""
         key = (buffer_address(buffer), buffer.nbytes)
         with self._lock:
-            if key in self._registered:
-                self._registered.move_to_end(key)
-            else:
+            if key not in self._registered:
                 descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM", backends=["UCX"])
-                self._registered[key] = (buffer, descs)
-                self._evict()
-            self._in_use[key] = self._in_use.get(key, 0) + 1
+                self._registered[key] = [buffer, descs, 0]
+            self._registered[key][2] += 1
         return key
 
     def _release(self, keys) -> None:
+        """The transfers of ``keys`` ended: a buffer no transfer uses any more is deregistered."""
         with self._lock:
             for key in keys:
-                self._in_use[key] -= 1
-                if not self._in_use[key]:
-                    del self._in_use[key]
-            self._evict()
-
-    def _evict(self) -> None:
-        total = sum(k[1] for k in self._registered)
-        for key in list(self._registered):
-            if total <= REGISTERED_BYTES_MAX:
-                break
-            if key in self._in_use:
-                continue
-            _, descs = self._registered.pop(key)
-            self._agent.deregister_memory(descs, backends=["UCX"])
-            total -= key[1]
+                entry = self._registered[key]
+                entry[2] -= 1
+                if not entry[2]:
+                    del self._registered[key]
+                    self._agent.deregister_memory(entry[1], backends=["UCX"])
 
     # -- transfers ------------------------------------------------------------
     def transfer(self, peer: str, request_id: int, op: str = "WRITE", hold=None, peer_gone=None) -> "Transfer":
@@ -289,8 +251,7 @@ class DaemonAgent:
         self.reap_parked()
         with self._lock:
             return AgentStatistics(self.name, self.plan.name, self.plan.tls, len(self._peers), len(self._registered),
-                                   sum(k[1] for k in self._registered), len(self._fixed),
-                                   sum(k[1] for k in self._fixed), self._writes, self._bytes_written,
+                                   sum(k[1] for k in self._registered), self._writes, self._bytes_written,
                                    self._reads, self._bytes_read, self._failures, self._timeouts,
                                    self._parked_counts["WRITE"], self._parked_counts["READ"], len(self._parked),
                                    sum(e[2] for e in self._parked))
@@ -326,8 +287,9 @@ class Transfer:
         ``remote[i]``. NixlTransferError when NIXL refuses one; NixlPeerGone, and nothing more is
         posted, once the client has given the request up."""
         assert all(part.local and len(part.local) == len(part.remote) for part in parts)
-        self._keys += [self._owner._register(b) for b in buffers]
         try:
+            for buffer in buffers:
+                self._keys.append(self._owner._register(buffer))
             for part in parts:
                 if self._peer_gone is not None and self._peer_gone():
                     raise NixlPeerGone(f"{self.peer} shut down its side of the connection: request "

@@ -32,12 +32,13 @@ from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.daemon.nixl.parts import plan_parts
 from kvtier.daemon.nixl.puts import NixlPuts, PutRefused
+from kvtier.daemon.nixl.trust import LOOPBACK_NETWORKS, NixlTrust, peer_host
 
 log = logging.getLogger("kvtier.daemon.nixl")
 
 READERS = 4  # NIXL_GETs whose blocks are read from flash at once (each by one thread, while its connection sends)
-PARKED_BYTES_PER_PEER_MAX = 64 << 20  # daemon memory one client's transfers left in flight may hold (a region image,
-# or four arenas) before nothing more is posted for it: a client that never lets its transfers end cannot spend the
+PARKED_BYTES_PER_PEER_MAX = 64 << 20  # daemon memory one client's transfers left in flight may hold (four arenas)
+# before nothing more is posted for it: a client that never lets its transfers end cannot spend the
 # request buffers (512 MiB of arenas) of everyone else
 PARKED_SETTLE_S = 0.5  # a request over that waits this long for them to end first: its client progresses its agent
 # while it waits for the reply, which ends a transfer it left in flight while it was stalled
@@ -54,21 +55,22 @@ class NixlPeer:
 class NixlService:
     """The daemon's side of the ``nixl`` transport, over one :class:`DaemonAgent`."""
 
-    def __init__(self, make_agent: Callable[[], DaemonAgent], agent: DaemonAgent | None = None):
+    def __init__(self, make_agent: Callable[[], DaemonAgent], agent: DaemonAgent | None = None,
+                 trust: NixlTrust = NixlTrust(LOOPBACK_NETWORKS)):
         self._make_agent = make_agent
+        self.trust = trust
         self._agent = agent
         self._unavailable: str | None = None
         self._lock = threading.Lock()
         self._gets = None
         self._stats = None
         self._engine = None
-        self._memory_registered: bool | None = None  # the devices' memory registered (None: not tried yet)
         self._put_parts = None
         self._puts: NixlPuts | None = None  # made on the first NIXL_PUT
         self._buffers = None  # the request buffers a parked WRITE's sources go back to
-        self._blocks_from_memory = 0
         self._gets_peer_gone = 0  # NIXL_GETs whose client gave them up before everything was posted
         self._refused_parked = 0  # requests refused BUSY: their client had PARKED_BYTES_PER_PEER_MAX parked
+        self._refused_untrusted = 0  # requests from clients nixl_trusted does not name
         self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvtier-nixl-read")
 
     @property
@@ -95,11 +97,10 @@ class NixlService:
         if self._agent is None:
             return {}
         with self._lock:
-            puts = {} if self._puts is None else {"put_blocks_in_place": self._puts.in_place,
-                                                  "put_blocks_copied": self._puts.copied,
-                                                  "put_images_abandoned": self._puts.images_abandoned}
-            return {**asdict(self._agent.statistics()), "blocks_from_device_memory": self._blocks_from_memory,
-                    "gets_peer_gone": self._gets_peer_gone, "refused_parked": self._refused_parked, **puts}
+            puts = {} if self._puts is None else {"put_blocks": self._puts.blocks}
+            return {**asdict(self._agent.statistics()), "gets_peer_gone": self._gets_peer_gone,
+                    "refused_parked": self._refused_parked, "refused_untrusted": self._refused_untrusted,
+                    "served_to": self.trust.describe(), **puts}
 
     def bind(self, gets, stats, engine=None, buffers=None, limits: p.Limits | None = None) -> None:
         """The data server's GET replies, statistics recorder, engine, request buffers and limits
@@ -107,8 +108,17 @@ class NixlService:
         self._gets, self._stats, self._engine, self._buffers = gets, stats, engine, buffers
         self._put_parts = None if engine is None or buffers is None or limits is None else (engine, buffers, limits)
 
+    def trusts(self, session) -> bool:
+        """Whether this connection's client is served NIXL (``nixl_trusted``)."""
+        return self.trust.trusts(peer_host(session.peer))
+
     def handle(self, msg, session):
         """The reply to a NIXL request; None for a NIXL_GET its client gave up (it ends without one)."""
+        if not self.trusts(session):
+            with self._lock:
+                self._refused_untrusted += 1
+            return self._refuse(msg, p.ErrorCode.AUTH, f"NIXL is not served to {peer_host(session.peer)}: this "
+                                f"daemon serves it to {self.trust.describe()} (nixl_trusted); use TCP")
         if isinstance(msg, m.NixlMetadata):
             return self._metadata(msg, session)
         if isinstance(msg, m.NixlPut):
@@ -192,11 +202,7 @@ class NixlService:
                 check_descriptors(peer.regions, [e for extents in msg.extents for e in extents], "extent")
         except DescriptorError as exc:
             return self._refuse(msg, p.ErrorCode.BAD_REQUEST, f"NIXL_GET refused, nothing written: {exc}")
-        in_memory = self._in_memory(msg)
-        copied = [i for i, block in enumerate(in_memory) if block is None]
-        to_memory = [(i, [(buffer_address(piece), piece.nbytes) for piece in block.pieces], _destination(msg, i))
-                     for i, block in enumerate(in_memory) if block is not None]
-        lengths = [0 if block is None else block.length for block in in_memory]
+        lengths = [0] * len(msg.keys)
         hold = None if self._buffers is None else lambda: self._buffers.hand_over(session)
         gone = None
         try:
@@ -204,7 +210,7 @@ class NixlService:
                                       peer_gone=session.peer_gone) as transfer:
                 try:
                     try:
-                        self._write(msg, session, transfer, lengths, copied, to_memory)
+                        self._write(msg, session, transfer, lengths)
                     except NixlPeerGone as exc:  # what was posted still moves: waited for, then no reply
                         gone = exc
                     transfer.wait()
@@ -218,6 +224,8 @@ class NixlService:
                 else:
                     refusal = None
         except NixlTransferNotReleased as exc:  # the request's buffer is refilled next: it must not be sent on
+            if hold is not None:
+                hold()  # out of the pool for good
             if self._engine is not None:
                 self._engine.fail(f"{exc}; the daemon stops rather than reuse that memory")
             return self._refuse(msg, p.ErrorCode.INTERNAL, str(exc))
@@ -229,49 +237,35 @@ class NixlService:
             log.info("event=nixl_get_abandoned peer=%s agent=%s request=%d: %s", session.peer, peer.agent_name,
                      msg.request_id, gone)
             return None
-        if to_memory:
-            self._stats.namespace(msg.ns_id, len(to_memory), 0)
-            with self._lock:
-                self._blocks_from_memory += len(to_memory)
         return m.NixlGetReply(msg.request_id, tuple(lengths))
 
-    def _write(self, msg: m.NixlGet, session, transfer, lengths: list[int], copied: list[int],
-               to_memory: list) -> None:
-        """Post the WRITEs of a NIXL_GET: blocks in device memory at once, the others (``copied``)
-        chunk by chunk as they are read into the request's buffer. ``lengths`` holds the device
-        memory blocks' lengths and gets every other item's written length. DescriptorError (before
-        anything is posted or read): a block does not fit its descriptor."""
+    def _write(self, msg: m.NixlGet, session, transfer, lengths: list[int]) -> None:
+        """Post the WRITEs of a NIXL_GET chunk by chunk as its blocks are read into the request's
+        buffer; ``lengths`` gets each item's written length. DescriptorError (before anything is
+        posted or read): a block does not fit its descriptor."""
         def fits(i: int, n: int) -> bool:  # a block read may have changed size since it was located
             return n <= msg.descriptors[i][1]
 
-        def check_and_post_memory(layout=None) -> None:  # before anything is read or written
-            if layout is not None:  # the located lengths of the blocks to read
-                for j, i in enumerate(copied):
-                    lengths[i] = 0 if j < layout.answered else DEFERRED_LENGTH
-                for j, n in zip(layout.hits, layout.lengths):
-                    lengths[copied[j]] = n
+        def check(layout) -> None:  # the located lengths, before anything is read or written
+            for i in range(len(lengths)):
+                lengths[i] = 0 if i < layout.answered else DEFERRED_LENGTH
+            for i, n in zip(layout.hits, layout.lengths):
+                lengths[i] = n
             check_fits(msg.descriptors, [0 if n == DEFERRED_LENGTH else n for n in lengths])
-            if to_memory:
-                transfer.post(plan_parts(to_memory))
-
-        if not copied:
-            check_and_post_memory()
-            return
 
         def send(blocks: dict) -> None:
-            items = [(copied[j], [(buffer_address(block), memoryview(block).nbytes)], _destination(msg, copied[j]))
-                     for j, block in blocks.items() if fits(copied[j], memoryview(block).nbytes)]
+            items = [(i, [(buffer_address(block), memoryview(block).nbytes)], _destination(msg, i))
+                     for i, block in blocks.items() if fits(i, memoryview(block).nbytes)]
             if items:
-                transfer.post(plan_parts(items), [b for b in (session.get_arena, *session.transient_buffers)
-                                                  if b is not None])
+                owners = [b for b in (session.get_arena, *session.transient_buffers) if b is not None]
+                transfer.post(plan_parts(items), covering(owners, [span for _, spans, _ in items for span in spans]))
 
-        keys = msg.keys if len(copied) == len(msg.keys) else tuple(msg.keys[i] for i in copied)
         chunks: queue.Queue = queue.Queue()
 
         def read() -> p.GetReply:  # on a reader thread: chunk k+1 is read while this thread sends chunk k
             try:
-                return self._gets.reply_in_chunks(p.Get(msg.request_id, keys, msg.ns_id, msg.reader_verifies),
-                                                  session, check_and_post_memory, chunks.put)
+                return self._gets.reply_in_chunks(p.Get(msg.request_id, msg.keys, msg.ns_id, msg.reader_verifies),
+                                                  session, check, chunks.put)
             finally:
                 chunks.put(None)
 
@@ -281,32 +275,24 @@ class NixlService:
                 send(blocks)
         finally:
             reply = reading.result()  # the reader's error (a refusal from check) once it has stopped
-        for i, block in zip(copied, reply.blocks):
+        for i, block in enumerate(reply.blocks):
             n = DEFERRED_LENGTH if block is p.DEFERRED else 0 if block is None else memoryview(block).nbytes
             lengths[i] = n if n == DEFERRED_LENGTH or fits(i, n) else 0
 
-    def _in_memory(self, msg: m.NixlGet) -> list:
-        """Per key, the block as device memory to WRITE from in place (None: read it into an arena).
-        Only for a reader that verifies every block it is given (the bytes may change under a
-        reclaim after their header was checked); the first use registers the device memory."""
-        if not msg.reader_verifies or self._engine is None or not self._memory_usable():
-            return [None] * len(msg.keys)
-        return self._engine.blocks_in_memory(msg.keys)
 
-    def _memory_usable(self) -> bool:
-        with self._lock:
-            if self._memory_registered is None:
-                memories = self._engine.device_memories()
-                self._memory_registered = False
-                if memories is not None:
-                    try:
-                        self._agent.register_fixed(memories)
-                        self._memory_registered = True
-                        log.info("event=nixl_device_memory devices=%d bytes=%d", len(memories),
-                                 sum(m.nbytes for m in memories))
-                    except NixlTransferError as exc:
-                        log.warning("event=nixl_device_memory_refused error=%s", exc)
-            return self._memory_registered
+def covering(owners, spans) -> list[memoryview]:
+    """Per buffer of ``owners`` that holds some of ``spans`` (``(address, length)``), the slice of it
+    that covers them: what a transfer registers, so that nothing else of a pooled buffer (bytes an
+    earlier request left there) is reachable while it runs."""
+    slices = []
+    for owner in owners:
+        view = memoryview(owner).cast("B")
+        base = buffer_address(view)
+        inside = [(a, n) for a, n in spans if base <= a < base + view.nbytes]
+        if inside:
+            low, high = min(a for a, _ in inside), max(a + n for a, n in inside)
+            slices.append(view[low - base:high - base])
+    return slices
 
 
 def _destination(msg: m.NixlGet, item: int) -> tuple[tuple[int, int], ...]:

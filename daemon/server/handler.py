@@ -27,7 +27,7 @@ from kvtier.daemon.server.session import Session
 from kvtier.daemon.upstream.client import CLIENT_NAME as UPSTREAM_CLIENT_NAME
 from kvtier.wire import connection as p
 from kvtier.wire.writers import location_records
-from kvtier.wire.events import NixlGet, NixlMetadata, NixlPut
+from kvtier.wire.events import FEATURE_NIXL, FEATURE_NIXL_PUT, NixlGet, NixlMetadata, NixlPut
 from kvtier.wire.frames import FLAG_SKIP_DELETED
 
 log = logging.getLogger("kvtier.daemon.server")
@@ -103,12 +103,15 @@ class RequestHandler:
                                 f"internal error: {type(exc).__name__}: {exc}; kvtierd fails closed and restarts to "
                                 f"recover from flash"), True
 
-    def hello_info(self) -> dict:
+    def hello_info(self, session: Session | None = None) -> dict:
+        """HELLO's reply; NIXL's features only for a client the NIXL service trusts."""
+        features = [p.FEATURE_GET_READER_VERIFIES, p.FEATURE_PIN_TTL, p.FEATURE_PUT_SKIP_DELETED, *self.extra_features]
+        if self.nixl is not None and (session is None or not self.nixl.trusts(session)):
+            features = [f for f in features if f not in (FEATURE_NIXL, FEATURE_NIXL_PUT)]
         return {
             "server": "kvtierd", "protocol_version": p.PROTOCOL_VERSION,
             "auth_required": self._token() is not None,
-            "features": [p.FEATURE_GET_READER_VERIFIES, p.FEATURE_PIN_TTL, p.FEATURE_PUT_SKIP_DELETED,
-                         *self.extra_features],
+            "features": features,
             "geometry": geometry_doc(self._engine.geometry),
             "region_size_bytes": self._region_size_bytes,
             "limits": {"batch_count_max": self._limits.batch_count_max, "meta_bytes_max": self._limits.meta_bytes_max,
@@ -126,7 +129,7 @@ class RequestHandler:
                 return p.ErrorReply(msg.request_id, p.ErrorCode.AUTH, f"authentication failed: {reason}"), True
             session.authenticated = True
         session.greeted = True
-        return p.HelloReply(msg.request_id, self.hello_info()), False
+        return p.HelloReply(msg.request_id, self.hello_info(session)), False
 
     def _lookup(self, msg: p.Lookup, session, token):
         """The keys go to the engine as the one buffer they came in, and
