@@ -68,9 +68,12 @@ class Allocator:
         self.active = False  # whether self.open holds a region
         self.writes_issued = 0  # seals and region headers handed to the sealer thread so far
         self.writes_synced = 0  # of those, how many the devices were last synced after
-        # the region manager's clean-region pool, wired by the engine: take_clean(use_reserve) returns a
-        # clean region, waiting (the lock let go) while the pool is empty, or raises NoSpaceError
+        # the region manager's clean-region pool, wired by the engine: take_clean(satisfied) returns a
+        # clean region, waiting (the lock let go) while the pool is down to its reserve, or raises NoSpaceError
         self.take_clean: Callable[..., int | None] | None = None
+        # a region the reclaim worker opened to compact into: it takes records and the worker's moved
+        # blocks, no writer's blocks, until the worker has reclaimed a region back into the pool (RegionManager)
+        self.held_region: int | None = None
         self.give_back_clean: Callable[[int], None] | None = None
         self.reservation = None  # the PUT being received into the open image (put_reservations.Reservation)
         self._unreserved = threading.Condition(lock)  # notified when the reservation is committed or aborted
@@ -101,28 +104,29 @@ class Allocator:
         """The devices were synced after the first ``issued`` seals and headers had completed."""
         self.writes_synced = max(self.writes_synced, issued)
 
-    def ensure_room(self, block_bytes: int, entries: int = 1, use_reserve: bool | None = None) -> None:
+    def ensure_room(self, block_bytes: int, entries: int = 1) -> None:
         """Make the open region one with room for a block of ``block_bytes`` and ``entries`` summary
         entries, sealing it and opening a clean region if needed. Waiting for a clean region (or for
         a reservation in flight) lets go of the lock: callers decide again on return. Metadata
-        records (``block_bytes`` 0) may take the region the pool keeps for reclaim's compaction
-        (``use_reserve``): they are tiny, and a reclaim may be what they wait for."""
-        if use_reserve is None:
-            use_reserve = block_bytes == 0
+        records (``block_bytes`` 0) go where blocks go, but into a held region too
+        (:attr:`held_region`); neither takes the region the pool keeps for reclaim's compaction."""
         while not (self.reservation is None and self.appendable(block_bytes, entries)):
             if self.reservation is not None:
                 self.wait_unreserved()
                 continue
             assert self.take_clean is not None, "no region manager wired to the allocator"
             # while this waits for a clean region (the lock let go), nobody appends to the open image;
-            # a commit may still sync it, so a caller with appends to take back seals them first
-            rolling = self._roll_from()
+            # a commit may still sync it, so a caller with appends to take back seals them first. A
+            # held region stays open to records and moved blocks: this writer has no appends there
+            held = block_bytes and self.active and self.open.region == self.held_region
+            rolling = None if held else self._roll_from()
             try:
-                region = self.take_clean(use_reserve, lambda: self.appendable(block_bytes, entries))
+                region = self.take_clean(lambda: self.appendable(block_bytes, entries))
             finally:
-                self._rolling[rolling] -= 1
-                if not self._rolling[rolling]:
-                    del self._rolling[rolling]
+                if rolling is not None:
+                    self._rolling[rolling] -= 1
+                    if not self._rolling[rolling]:
+                        del self._rolling[rolling]
             if region is None:
                 continue  # room was made meanwhile
             if self.reservation is not None or self.appendable(block_bytes, entries):
@@ -131,9 +135,12 @@ class Allocator:
             self.open_region(region)
         assert self.open.room_for(block_bytes, entries), (block_bytes, self.open.data_end)
 
-    def appendable(self, block_bytes: int, entries: int = 1) -> bool:
-        """Whether the open region takes an append of this size now: it has room and no writer is
-        waiting to roll over from it (see :meth:`ensure_room`)."""
+    def appendable(self, block_bytes: int, entries: int = 1, compacting: bool = False) -> bool:
+        """Whether the open region takes an append of this size now: it has room, no writer is
+        waiting to roll over from it (see :meth:`ensure_room`), and it is not held for the reclaim
+        worker's moved blocks (``compacting``: the worker asks) while these are a writer's blocks."""
+        if block_bytes and not compacting and self.active and self.open.region == self.held_region:
+            return False
         return self.active and (self.open.region, self.open.base_seq) not in self._rolling and \
             self.open.room_for(block_bytes, entries)
 

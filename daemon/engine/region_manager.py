@@ -16,9 +16,14 @@ CacheLib Navy's RegionManager).
         5. commit (group commit, no lock) when a pinned block or a record moved
         6. the victim joins the pool
 
-A writer never runs a reclaim. It takes a clean region only while more than RESERVE_REGIONS
-are left: the last one is kept for the worker, which compacts moved blocks into it when the
-open region is full, so a few pins can never wedge the store.
+A writer never runs a reclaim. The invariant that keeps pins from wedging the store: the worker
+can always compact a victim, because a whole clean region (or the held region below) is always
+there for its moved blocks, and a victim's moved blocks fit one region. So writers -- of blocks
+and of metadata records alike -- take a clean region only while more than RESERVE_REGIONS are
+left; only the worker takes the last. A region the worker opens is *held*
+(:attr:`Allocator.held_region`): it takes records and moved blocks, no writer's blocks, until the
+worker has reclaimed a region back into the pool, so writers waiting for room cannot fill it
+between the worker opening it and moving its victim's blocks there.
 
 Crash ordering: the victim is not rewritten before step 5, so until its copies are durable
 its old contents stay the ones recovery finds. At step 6 a fresh header is queued for it (not
@@ -111,12 +116,13 @@ class RegionManager:
         return self._table.region_count - self._reserve
 
     # -- the pool (under the lock) -------------------------------------------------
-    def take_clean(self, use_reserve: bool, satisfied=lambda: False) -> int | None:
+    def take_clean(self, satisfied=lambda: False) -> int | None:
         """A clean region for the allocator to open, or None once ``satisfied()`` (the caller's need
-        was met meanwhile: the worker compacted into a fresh region with room). Waits, letting go of
-        the lock, while the pool is down to the reserve (``use_reserve``: empty); raises NoSpaceError
+        was met meanwhile). Waits, letting go of the lock, while the pool is down to the reserve
+        (the worker: empty; the region it takes is held, see the module doc). Raises NoSpaceError
         when an attempt of the worker that began after this call started waiting reclaimed nothing."""
-        floor = 0 if use_reserve else self._reserve
+        worker = threading.current_thread() is self._worker
+        floor = 0 if worker else self._reserve
         waiter = None
         try:
             while self._table.free_count <= floor:
@@ -137,8 +143,13 @@ class RegionManager:
             if waiter is not None:
                 self._waiters.remove(waiter)
                 self._counters.clean_region_wait_seconds += time.monotonic() - waiter[3]
-        region = self._table.take_free()
+        region = self._take_free() if worker else self._table.take_free()
         self._changed.notify_all()  # the worker refills the pool
+        return region
+
+    def _take_free(self) -> int:
+        """A clean region for the worker to compact into: held until it has reclaimed one."""
+        region = self._allocator.held_region = self._table.take_free()
         return region
 
     def give_back_clean(self, region: int) -> None:
@@ -201,6 +212,8 @@ class RegionManager:
                 self._attempts += 1
                 if failure:
                     self._failure, self._last_failed_attempt = failure, self._attempts
+                else:
+                    self._allocator.held_region = None  # a region is back in the pool: writers may fill what is left
                 self._paused_after_failure = bool(failure)
                 self._changed.notify_all()
 
@@ -280,7 +293,7 @@ class RegionManager:
             if self._table.free_count == 0:
                 self._table.abandon_reclaim(victim)
                 return "no clean region to compact its moved blocks into"
-            self._allocator.open_region(self._table.take_free())  # the reserve (may let go of the lock)
+            self._allocator.open_region(self._take_free())  # the reserve (may let go of the lock)
         else:
             self._table.abandon_reclaim(victim)
             return "its blocks changed faster than they could be read"
@@ -305,7 +318,7 @@ class RegionManager:
 
     def _has_room(self, nbytes: int, entries: int) -> bool:
         allocator = self._allocator
-        return (not nbytes and not entries) or allocator.appendable(nbytes, entries)
+        return (not nbytes and not entries) or allocator.appendable(nbytes, entries, compacting=True)
 
     def _victim_slots(self, blocks: np.ndarray, addrs: np.ndarray) -> np.ndarray:
         """Index slots of the victim's live blocks: its summary's keys found at its addresses."""
