@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DATA_DIR ?= ./data
 
-.PHONY: run test lint test-engines perf clean-venv cluster nixl
+.PHONY: run test lint test-engines perf clean-venv cluster nixl soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ run: $(VENV)/.run-deps
 
 test: $(VENV)/.test-deps
 	$(PY) -m pytest -q
+
+# the store under abuse: the engine model with many sequences, then SOAK_CYCLES kill -9 cycles of a
+# daemon under four writers with pins, soft pins, deletes (perf/soak.py; every count it prints must be 0)
+SOAK_CYCLES ?= 100
+soak: $(VENV)/.test-deps
+	KVTIER_MODEL_EXAMPLES=2000 $(PY) -m pytest -q tests/test_engine_model.py
+	$(PY) perf/soak.py --cycles $(SOAK_CYCLES) --out perf/results/soak.json
 
 # a local cluster: etcd (apt-get install etcd-server) and 3 daemons on loopback, until Ctrl-C;
 # CLUSTER_DIR holds their stores, CLUSTER_NODES how many daemons
