@@ -109,8 +109,10 @@ def writer(addr: str, ledger: Ledger, writer_id: int, cycle: int, until: float, 
                 elif op < 0.84:
                     client.pin([rng.choice(mine)], ttl_s=30.0)
                     ledger.counts["soft_pins"] += 1
-                elif op < 0.90:
-                    key = rng.choice(mine)
+                elif op < 0.90:  # half of them undo a hard pin, so pins keep landing in new regions
+                    with ledger.lock:
+                        pinned = sorted(ledger.pinned)
+                    key = rng.choice(pinned) if pinned and rng.random() < 0.5 else rng.choice(mine)
                     client.unpin([key])
                     with ledger.lock:
                         ledger.pinned.pop(key, None)
