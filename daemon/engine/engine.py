@@ -438,6 +438,7 @@ class Engine:
             self._pins_and_deletes.soft.clear()
             self._blocks.deleted.clear()  # a local reset: the cluster refills this node
             self._allocator.active = False
+            self._allocator.held_region = None  # every region is clean again
             self._blocks.events.all_cleared()
         return count
 
