@@ -118,8 +118,7 @@ class Allocator:
             # while this waits for a clean region (the lock let go), nobody appends to the open image;
             # a commit may still sync it, so a caller with appends to take back seals them first. A
             # held region stays open to records and moved blocks: this writer has no appends there
-            held = block_bytes and self.active and self.open.region == self.held_region
-            rolling = None if held else self._roll_from()
+            rolling = None if self._held_from(block_bytes) else self._roll_from()
             try:
                 region = self.take_clean(lambda: self.appendable(block_bytes, entries))
             finally:
@@ -139,10 +138,15 @@ class Allocator:
         """Whether the open region takes an append of this size now: it has room, no writer is
         waiting to roll over from it (see :meth:`ensure_room`), and it is not held for the reclaim
         worker's moved blocks (``compacting``: the worker asks) while these are a writer's blocks."""
-        if block_bytes and not compacting and self.active and self.open.region == self.held_region:
+        if not compacting and self._held_from(block_bytes):
             return False
         return self.active and (self.open.region, self.open.base_seq) not in self._rolling and \
             self.open.room_for(block_bytes, entries)
+
+    def _held_from(self, block_bytes: int) -> bool:
+        """Whether a writer's block of this size is kept out of the open region: it is held for the
+        reclaim worker (:attr:`held_region`; records are not kept out)."""
+        return bool(block_bytes) and self.active and self.open.region == self.held_region
 
     def _roll_from(self) -> tuple[int, int]:
         key = (self.open.region, self.open.base_seq) if self.active else (-1, -1)

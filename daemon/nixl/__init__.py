@@ -9,14 +9,16 @@ import logging
 import os
 import sys
 
+from kvtier.daemon.nixl.trust import DEFAULT_TRUST
+
 log = logging.getLogger("kvtier.daemon.nixl")
 
 NIXL_MODES = ("auto", "on", "off")
 
 
-def start_nixl(mode: str, loopback_only: bool, tls_override: str | None = None, trust=None):
-    """A :class:`~.service.NixlService` serving the clients ``trust`` (a :class:`~.trust.NixlTrust`;
-    default: loopback) trusts, or None when ``mode`` is off or NIXL is not importable (auto). ``on``
+def start_nixl(mode: str, loopback_only: bool, tls_override: str | None = None, trust=DEFAULT_TRUST):
+    """A :class:`~.service.NixlService` serving the clients ``trust`` (a :class:`~.trust.NixlTrust`)
+    trusts, or None when ``mode`` is off or NIXL is not importable (auto). ``on``
     creates the agent now (NixlUnavailable says why it cannot be); ``auto`` when the first client
     asks for it, so a daemon no client uses NIXL with pays nothing."""
     if mode == "off":
@@ -26,9 +28,7 @@ def start_nixl(mode: str, loopback_only: bool, tls_override: str | None = None, 
         return None
     from kvtier.daemon.nixl.agent import DaemonAgent
     from kvtier.daemon.nixl.service import NixlService
-    from kvtier.daemon.nixl.trust import NIXL_TRUSTED_DEFAULT, NixlTrust
-    service = NixlService(lambda: DaemonAgent(loopback_only, tls_override),
-                          trust=NixlTrust.parse(NIXL_TRUSTED_DEFAULT) if trust is None else trust)
+    service = NixlService(lambda: DaemonAgent(loopback_only, tls_override), trust=trust)
     if mode == "on":
         service.agent()
     return service

@@ -23,7 +23,6 @@ another request.
 """
 from __future__ import annotations
 
-import logging
 import threading
 
 from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, verify_block
@@ -33,7 +32,6 @@ from kvtier.daemon.nixl.parts import Part
 from kvtier.wire import connection as p
 from kvtier.wire import events as m
 
-log = logging.getLogger("kvtier.daemon.nixl")
 
 class PutRefused(ValueError):
     """A NIXL_PUT refused before anything is read: ``code`` is the error it is answered with."""
@@ -78,7 +76,7 @@ class NixlPuts:
         out; BlockFormatError: a block failed its check (nothing stored either way)."""
         buffer = self._buffers.reply_buffer(session, sum(lengths))  # given back once the reply is sent
         landed = buffer[:sum(lengths)]
-        self._read(msg, peer_agent, landed, registered=[landed], hold=lambda: self._buffers.hand_over(session))
+        self._read(msg, peer_agent, landed, hold=lambda: self._buffers.hand_over(session))
         blocks, at = [], 0
         for index, (key, length) in enumerate(zip(msg.keys, lengths)):
             block = landed[at:at + length]
@@ -94,9 +92,10 @@ class NixlPuts:
             self.blocks += len(seqs)
         return seqs
 
-    def _read(self, msg: m.NixlPut, peer_agent: str, into: memoryview, hold, registered) -> None:
-        """READ every item's extents, in order, into ``into`` (back to back), as one part: nothing is
-        notified, so nothing is gained by cutting it. ``hold()``: take the memory ``into`` lies in
+    def _read(self, msg: m.NixlPut, peer_agent: str, into: memoryview, hold) -> None:
+        """READ every item's extents, in order, into ``into`` (back to back, registered for this READ
+        alone), as one part: nothing is notified, so nothing is gained by cutting it. ``hold()``: take
+        the memory ``into`` lies in
         out of use, for a READ parked in flight (``(give_back, nbytes)``)."""
         part, at = Part(), buffer_address(into)
         for index, extents in enumerate(msg.extents):
@@ -106,7 +105,7 @@ class NixlPuts:
                 at, offset = at + length, offset + length
         try:
             with self._agent.transfer(peer_agent, msg.request_id, op="READ", hold=hold) as transfer:
-                transfer.post([part], registered)
+                transfer.post([part], [into])
                 transfer.wait()
         except NixlTransferNotReleased as exc:  # the pooled buffer may not take another request's bytes
             hold()  # out of the pool for good

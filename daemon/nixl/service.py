@@ -32,7 +32,7 @@ from kvtier.wire import events as m
 from kvtier.wire.frames import DEFERRED_LENGTH
 from kvtier.daemon.nixl.parts import plan_parts
 from kvtier.daemon.nixl.puts import NixlPuts, PutRefused
-from kvtier.daemon.nixl.trust import LOOPBACK_NETWORKS, NixlTrust, peer_host
+from kvtier.daemon.nixl.trust import DEFAULT_TRUST, NixlTrust, peer_host
 
 log = logging.getLogger("kvtier.daemon.nixl")
 
@@ -56,7 +56,7 @@ class NixlService:
     """The daemon's side of the ``nixl`` transport, over one :class:`DaemonAgent`."""
 
     def __init__(self, make_agent: Callable[[], DaemonAgent], agent: DaemonAgent | None = None,
-                 trust: NixlTrust = NixlTrust(LOOPBACK_NETWORKS)):
+                 trust: NixlTrust = DEFAULT_TRUST):
         self._make_agent = make_agent
         self.trust = trust
         self._agent = agent

@@ -72,6 +72,9 @@ class NixlTrust:
         return ", ".join(names)
 
 
+DEFAULT_TRUST = NixlTrust.parse(NIXL_TRUSTED_DEFAULT)
+
+
 def peer_host(peer: str) -> str:
     """The address of a ``HOST:PORT`` peer (IPv6 hosts unbracketed, as accept() gives them)."""
     return peer.rpartition(":")[0].strip("[]")
