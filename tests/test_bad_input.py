@@ -150,15 +150,26 @@ def test_a_truncated_frame_then_close(daemon):
     assert_still_serving(daemon)
 
 
-def test_more_connections_than_the_limit(daemon):
+def test_more_connections_than_the_limit_evict_the_one_longest_without_work(daemon):
     held = [raw(daemon) for _ in range(8)]  # the limit is 8
     try:
-        for s in held:  # make sure each one is admitted before the extra one arrives
-            s.sendall(frame(p.Op.PING, rid=1))
-            assert read_replies(s) == [p.PingReply(1)]
-        with raw(daemon, hello=False) as extra:
-            (error,) = read_replies(extra)
-            assert error.code == p.ErrorCode.BUSY and "max_connections 8" in error.message
+        for i, s in enumerate(held):  # each is admitted; all but the first have done work since
+            s.sendall(frame(p.Op.PING, rid=1) if i == 0 else frame(p.Op.GET, rid=1, count=1, meta=KEEP_KEYS[0]))
+            assert len(read_replies(s)) == 1
+        held[0].sendall(frame(p.Op.PING, rid=2))  # PINGs are not work: it stays the longest idle
+        assert read_replies(held[0]) == [p.PingReply(2)]
+        with raw(daemon) as extra:  # a ninth client that greets gets in
+            extra.sendall(frame(p.Op.PING, rid=3, meta=b"in"))
+            assert read_replies(extra) == [p.PingReply(3, b"in")]
+        (error,) = read_replies(held[0])
+        assert error.code == p.ErrorCode.BUSY and "max_connections 8" in error.message
+        assert "longest without a request other than PING" in error.message
+        assert closed_by_daemon(held[0])
+        held[1].sendall(frame(p.Op.PING, rid=4))  # the others are served on
+        assert read_replies(held[1]) == [p.PingReply(4)]
+        with raw(daemon, hello=False) as silent:  # one over the limit that never greets takes nothing
+            (error,) = read_replies(silent)
+            assert error.code == p.ErrorCode.TIMEOUT and "HELLO" in error.message
     finally:
         for s in held:
             s.close()

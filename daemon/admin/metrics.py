@@ -150,6 +150,10 @@ def _server_families(server: dict) -> Iterable[Metric]:
     yield CounterMetricFamily("kvtier_rejected_connections",
                               "Data-port connections refused (over max_connections or max_connections_per_peer).",
                               value=server.get("rejected_connections", 0))
+    yield CounterMetricFamily("kvtier_evicted_connections",
+                              "Data-port connections closed to admit a newcomer while every slot was taken "
+                              "(the one longest without a request other than PING).",
+                              value=server.get("evicted_connections", 0))
     yield CounterMetricFamily("kvtier_idle_closed_connections",
                               "Authenticated data-port connections closed after idle_timeout between requests.",
                               value=server.get("idle_closed_connections", 0))

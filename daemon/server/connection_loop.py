@@ -32,6 +32,7 @@ from kvtier.common.cluster_url import REPAIR_CLIENT_NAME
 from kvtier.daemon.server.closing import linger, send_error_quietly
 from kvtier.daemon.server.handler import RequestHandler
 from kvtier.daemon.server.session import Session
+from kvtier.daemon.server.slots import ConnectionSlots, Slot
 from kvtier.daemon.server.stats import ServerStatsRecorder
 from kvtier.daemon.server.stop_signal import StopSignal
 from kvtier.wire import connection as p
@@ -50,8 +51,9 @@ class ConnectionLoop:
     """Serves connections of one data server, one :meth:`serve` call per connection."""
 
     def __init__(self, handler: RequestHandler, recorder: ServerStatsRecorder, limits: p.Limits, stop: StopSignal,
-                 frame_timeout_s: float, hello_timeout_s: float, idle_timeout_s: float):
+                 slots: ConnectionSlots, frame_timeout_s: float, hello_timeout_s: float, idle_timeout_s: float):
         self._handler = handler
+        self._slots = slots
         self._buffers = handler.buffers
         self._recorder = recorder
         self._limits = limits
@@ -61,13 +63,22 @@ class ConnectionLoop:
         self._hello_timeout_s = hello_timeout_s
         self._idle_timeout_s = idle_timeout_s
 
-    def serve(self, sock: socket.socket, peer: str) -> None:
-        """Serve one connection until it closes, fails or the server stops; then close it."""
+    def serve(self, sock: socket.socket, peer: str, slot: Slot) -> None:
+        """Serve one connection until it closes, fails, is evicted or the server stops; then close it."""
         conn = p.Connection(p.Role.SERVER, self._limits, hello_first=True)
         session = Session(peer, peer_gone=lambda: peer_shut_down(sock))
         log.debug("event=connection_open peer=%s", peer)
         try:
-            self._serve_requests(sock, conn, session, time.monotonic() + self._hello_timeout_s)
+            self._serve_requests(sock, conn, session, slot, time.monotonic() + self._hello_timeout_s)
+            if slot.evicted:
+                raise _Evicted()
+        except _Evicted:
+            self._recorder.connection_evicted()
+            log.info("event=connection_evicted peer=%s", peer)
+            send_error_quietly(sock, conn, 0, p.ErrorCode.BUSY,
+                               f"closed: every connection slot (max_connections {self._slots.max_connections}) was "
+                               f"taken and this one had gone longest without a request other than PING; "
+                               f"reconnect when there is work")
         except p.ProtocolError as exc:
             log.warning("event=protocol_error peer=%s code=%s error=%s", peer, exc.code.name, exc)
             self._recorder.error(exc.code.name)
@@ -110,7 +121,7 @@ class ConnectionLoop:
             self._recorder.connection_closed()
             log.debug("event=connection_closed peer=%s", peer)
 
-    def _serve_requests(self, sock: socket.socket, conn: p.Connection, session: Session,
+    def _serve_requests(self, sock: socket.socket, conn: p.Connection, session: Session, slot: Slot,
                         hello_deadline: float) -> None:
         handler, buffers, recorder = self._handler, self._buffers, self._recorder
         placed = None
@@ -126,8 +137,11 @@ class ConnectionLoop:
                     if wait_s <= 0:
                         raise socket.timeout("no HELLO before the deadline")
                     sock.settimeout(min(wait_s, self._frame_timeout_s))
-                if not conn.in_frame and not self._wait_for_request(sock, wait_s, conn.awaiting_hello):
-                    return
+                if not conn.in_frame:
+                    if not self._wait_for_request(sock, wait_s, conn.awaiting_hello):
+                        return
+                    if not self._slots.begin(slot):  # a frame begins: the slot is not evicted from now on
+                        raise _Evicted()
                 head = conn.pending_head
                 refused = None
                 if head is not None and head is not placed:
@@ -176,10 +190,18 @@ class ConnectionLoop:
             if event is p.CONNECTION_CLOSED:
                 return
             started = time.perf_counter()
+            if not self._slots.begin(slot):
+                raise _Evicted()
             try:
                 reply, close_after = handler.handle(event, session)
             finally:
                 handler.abort_in_place(session)  # a reservation its request did not commit
+                self._slots.end(slot, work=not isinstance(event, p.Ping))
+            if isinstance(event, p.Hello) and session.greeted and (refusal := self._slots.greeted(slot)):
+                recorder.connection_rejected()
+                recorder.error(p.ErrorCode.BUSY.name)
+                log.warning("event=connection_refused peer=%s reason=%s", session.peer, refusal)
+                reply, close_after = p.ErrorReply(event.request_id, p.ErrorCode.BUSY, refusal), True
             if stall_bounded:
                 sock.settimeout(self._frame_timeout_s)
                 stall_bounded = False
@@ -262,6 +284,10 @@ class _FrameTooSlow(Exception):
         super().__init__(f"{what} did not arrive within {allowed_s:.1f} s (the timeout plus the payload at "
                          f"{rate} MiB/s): closed")
         self.nbytes, self.allowed_s = nbytes, allowed_s
+
+
+class _Evicted(Exception):
+    """The connection's slot went to a newcomer (it had gone longest without work)."""
 
 
 class _IdleTimeout(Exception):

@@ -3,8 +3,9 @@
 Concurrency model: one thread per connection (:mod:`.connection_loop`). The
 engine is thread-safe and does blocking device I/O, so threads let requests
 on different connections overlap without an executor hop. A connection past
-``max_connections``, or past ``max_connections_per_peer`` from one client
-address, is answered BUSY naming the limit and closed. An authenticated
+``max_connections_per_peer`` from one client address is answered BUSY naming
+the limit and closed; past ``max_connections``, a newcomer that greets takes the
+slot of the connection idle longest (:mod:`.slots`). An authenticated
 connection idle for ``idle_timeout_s`` between requests is closed (clients
 reconnect: a pooled connection the daemon closed is dropped before use).
 
@@ -14,7 +15,6 @@ then seals and syncs the engine.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import select
 import socket
@@ -25,6 +25,7 @@ from kvtier.daemon.server.arenas import ReplyArenas, ReplyArenaStatistics
 from kvtier.daemon.server.closing import send_error_quietly
 from kvtier.daemon.server.connection_loop import ConnectionLoop
 from kvtier.daemon.server.handler import RequestHandler
+from kvtier.daemon.server.slots import ConnectionSlots, Slot
 from kvtier.daemon.server.stats import ServerStatistics, ServerStatsRecorder
 from kvtier.daemon.server.stop_signal import StopSignal
 from kvtier.wire import connection as p
@@ -47,9 +48,8 @@ class DataServer:
                  reply_arenas: ReplyArenas | None = None, max_connections_per_peer: int | None = None,
                  idle_timeout_s: float = IDLE_TIMEOUT_S_DEFAULT):
         self._host, self._port = host, port
-        self._max_connections = max_connections
-        self._max_per_peer = max_connections if max_connections_per_peer is None else max_connections_per_peer
-        self._per_peer: collections.Counter[str] = collections.Counter()
+        self._slots = ConnectionSlots(max_connections,
+                                      max_connections if max_connections_per_peer is None else max_connections_per_peer)
         self._limits = p.Limits(payload_bytes_max=payload_bytes_max,
                                 block_bytes_max=min(engine.block_size_max_bytes, payload_bytes_max))
         self._recorder = ServerStatsRecorder()
@@ -57,7 +57,7 @@ class DataServer:
                                        lambda: self.statistics().as_dict(), reply_arenas)
         self._stop = StopSignal()
         self._connections = ConnectionLoop(
-            self._handler, self._recorder, self._limits, self._stop, frame_timeout_s,
+            self._handler, self._recorder, self._limits, self._stop, self._slots, frame_timeout_s,
             min(HELLO_TIMEOUT_S, frame_timeout_s) if hello_timeout_s is None else hello_timeout_s, idle_timeout_s)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -150,40 +150,36 @@ class DataServer:
     def _admit(self, sock: socket.socket, addr) -> None:
         peer, host = f"{addr[0]}:{addr[1]}", addr[0]
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._lock:
-            refusal = self._refusal(host)
-            if refusal is None:
-                t = threading.Thread(target=self._serve, args=(sock, peer, host), name=f"kvtierd-conn-{peer}",
-                                     daemon=True)
-                self._threads.add(t)
-                self._per_peer[host] += 1
-        if refusal is not None:
+        slot = self._slots.open(host)
+        if isinstance(slot, str):
             self._recorder.connection_rejected()
             self._recorder.error(p.ErrorCode.BUSY.name)
-            log.warning("event=connection_refused peer=%s reason=%s", peer, refusal)
-            threading.Thread(target=self._refuse, args=(sock, refusal), name="kvtierd-refuse", daemon=True).start()
+            log.warning("event=connection_refused peer=%s reason=%s", peer, slot)
+            threading.Thread(target=self._refuse, args=(sock, slot), name="kvtierd-refuse", daemon=True).start()
             return
+        slot.wake = lambda: _shut_reading(sock)
+        t = threading.Thread(target=self._serve, args=(sock, peer, slot), name=f"kvtierd-conn-{peer}", daemon=True)
+        with self._lock:
+            self._threads.add(t)
         self._recorder.connection_opened()
         t.start()
 
-    def _refusal(self, host: str) -> str | None:
-        """Why a new connection from ``host`` is refused, or None (under self._lock)."""
-        if len(self._threads) >= self._max_connections:
-            return f"too many connections (max_connections {self._max_connections})"
-        if self._per_peer[host] >= self._max_per_peer:
-            return f"too many connections from {host} (max_connections_per_peer {self._max_per_peer})"
-        return None
-
-    def _serve(self, sock: socket.socket, peer: str, host: str) -> None:
+    def _serve(self, sock: socket.socket, peer: str, slot: Slot) -> None:
         try:
-            self._connections.serve(sock, peer)
+            self._connections.serve(sock, peer, slot)
         finally:
+            self._slots.close(slot)
             with self._lock:
                 self._threads.discard(threading.current_thread())
-                self._per_peer[host] -= 1
-                if not self._per_peer[host]:
-                    del self._per_peer[host]
 
     def _refuse(self, sock: socket.socket, message: str) -> None:
         with sock:
             send_error_quietly(sock, p.Connection(p.Role.SERVER), 0, p.ErrorCode.BUSY, message)
+
+
+def _shut_reading(sock: socket.socket) -> None:
+    """Wake a connection's loop (blocked reading) to close it: it reads the end of the stream."""
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass  # closed meanwhile

@@ -48,6 +48,7 @@ class ServerStatistics:
     lookup_keys_hit: int
     namespaces: Mapping[str, NamespaceCounts]  # ns id hex (or "none"/"other") -> GET+LOOKUP hits/misses
     repair_bytes_in: int = 0  # PUT bytes from kvtier cluster repair (HELLO client name REPAIR_CLIENT_NAME)
+    evicted_connections: int = 0  # closed to give their slot to a newcomer (idle longest; see slots)
 
     def as_dict(self) -> dict:
         """Plain JSON-able form (the STATS reply)."""
@@ -60,7 +61,7 @@ class ServerStatistics:
                              "count": h.count, "sum_s": h.sum_s} for op, h in self.latency.items()},
             "lookup_keys_asked": self.lookup_keys_asked, "lookup_keys_hit": self.lookup_keys_hit,
             "namespaces": {ns: {"hits": c.hits, "misses": c.misses} for ns, c in self.namespaces.items()},
-            "repair_bytes_in": self.repair_bytes_in,
+            "repair_bytes_in": self.repair_bytes_in, "evicted_connections": self.evicted_connections,
         }
 
 
@@ -84,7 +85,7 @@ class ServerStatsRecorder:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._open = self._total = self._rejected = self._idle_closed = 0
+        self._open = self._total = self._rejected = self._idle_closed = self._evicted = 0
         self._requests: dict[str, int] = {}
         self._errors: dict[str, int] = {}
         self._bytes_in = self._bytes_out = 0
@@ -105,6 +106,10 @@ class ServerStatsRecorder:
     def connection_rejected(self) -> None:
         with self._lock:
             self._rejected += 1
+
+    def connection_evicted(self) -> None:
+        with self._lock:
+            self._evicted += 1
 
     def connection_idle_closed(self) -> None:
         with self._lock:
@@ -156,4 +161,4 @@ class ServerStatsRecorder:
                 latency=MappingProxyType({op: h.snapshot() for op, h in self._latency.items()}),
                 lookup_keys_asked=self._lookup_asked, lookup_keys_hit=self._lookup_hit,
                 namespaces=MappingProxyType({ns: NamespaceCounts(c[0], c[1]) for ns, c in self._ns.items()}),
-                repair_bytes_in=self._repair_bytes_in)
+                repair_bytes_in=self._repair_bytes_in, evicted_connections=self._evicted)
