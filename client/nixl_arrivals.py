@@ -50,6 +50,7 @@ class ArrivingBlocks:
     def __init__(self, destinations: list[list[memoryview]]):
         self._items = [_Item([memoryview(v).cast("B") for v in views]) for views in destinations]
         self.transfer_open = False  # a NIXL_GET into these destinations went out and its reply has not come
+        self.unsettled = False  # a scatter NIXL_GET into them ended without the daemon ending its WRITEs
 
     def arrived(self, item: int, offset: int, length: int) -> None:
         """The daemon says block ``item``'s bytes ``[offset, offset + length)`` are in. A range

@@ -24,10 +24,14 @@ objects registered with it and reused once no view of them is left (the probe of
 sending NIXL_METADATA again before the next NIXL_GET on each control connection.
 The daemon replies once every WRITE of a NIXL_GET is done: a NIXL_GET that ended otherwise
 (a timeout, a lost connection, a refusal past BAD_REQUEST) retires its buffer for good
-(:meth:`ClientAgent.retire`: a late WRITE may still land there); the next takes a fresh one.
-One that also scattered into the caller's memory, which the caller reuses once the load has
-failed, is settled first (:meth:`ControlChannel.settle`): the load returns once the daemon has
-ended the request, or after ``SETTLE_TIMEOUT_S`` (counted, logged: a late WRITE may then land).
+(:meth:`ClientAgent.retire`: a late WRITE may still land there, so its memory is kept, never
+reused nor freed, for the agent's life; retired buffers count against DESTINATION_BYTES_MAX,
+past which loads go to TCP); the next takes a fresh one. One that also scattered into the
+caller's memory, which the caller reuses once the load has failed, is settled first
+(:meth:`ControlChannel.settle`): the load returns once the daemon has ended the request, or
+after ``SETTLE_TIMEOUT_S`` (counted, logged). Then a late WRITE may still land in that memory,
+so the agent keeps a reference to it for good (:meth:`ClientAgent.quarantine`): a pooled output
+(:mod:`.output_buffers`) is then never handed out again, nor is the memory freed to anyone else.
 A block that fails verification, a failed transfer or a refused request is a
 fallback: the warm tier fetches those blocks over TCP and counts them.
 
@@ -75,7 +79,6 @@ NOTES_KEPT_MAX = 4096  # requests whose notifications are kept, waiting to be ta
 PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET progresses the agent
 LEND_PIECE_BYTES_MIN = 256 << 10  # a NIXL_PUT piece outside registered memory this large is lent, not copied
 NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
-RETIRED_HOLD_S = 60.0  # a retired buffer's memory is kept: far past the daemon's TRANSFER_TIMEOUT_S (5 s)
 SETTLE_TIMEOUT_S = 10.0  # a scatter NIXL_GET without reply waits this long for the daemon to end it: twice its
 # TRANSFER_TIMEOUT_S (5 s), by when a daemon that posted WRITEs has them done or released
 
@@ -145,8 +148,8 @@ class ClientAgent:
         self._lock = threading.Lock()
         self._buffers: list[bytearray] = []
         self._registrations: list = []
-        self._retired: list[tuple[float, bytearray]] = []  # (free after this clock reading, buffer): never reused
-        self._clock = time.monotonic
+        self._retired: list[bytearray] = []  # buffers a late WRITE may still reach: never reused nor freed
+        self._quarantined: list[memoryview] = []  # callers' memory a late WRITE may still reach: kept referenced
         self._lent: dict[tuple[int, int], list] = {}  # the callers' regions (lend): address, length -> [descs, lenders]
         self.held = HeldPutMemory()  # the memory of failed NIXL_PUTs whose READ may be pending
         self.generation = 0  # bumped whenever the registered buffers change
@@ -218,13 +221,11 @@ class ClientAgent:
         none free and no room for another). The buffer is the caller's while this view, or any view
         made from it, lives: that is what marks it taken."""
         with self._lock:
-            now = self._clock()
-            self._retired = [(until, b) for until, b in self._retired if until > now]
             for buf in self._buffers:
                 if len(buf) >= nbytes and not _exported(buf):
                     return memoryview(buf)
             size = max(DESTINATION_BUFFER_BYTES_MIN, -(-nbytes // (1 << 20)) << 20)
-            total = sum(len(b) for b in self._buffers) + sum(len(b) for _, b in self._retired)
+            total = sum(len(b) for b in self._buffers) + sum(len(b) for b in self._retired)
             if len(self._buffers) >= DESTINATION_BUFFERS_MAX or total + size > DESTINATION_BYTES_MAX:
                 idle = [i for i, b in enumerate(self._buffers) if not _exported(b)]
                 if not idle:
@@ -244,13 +245,25 @@ class ClientAgent:
 
     def retire(self, view: memoryview) -> None:
         """Take the buffer under ``view`` (from :meth:`take_buffer`) out of use: a NIXL_GET into it ended
-        before its reply. Deregistered now; its memory (a WRITE over shared memory needs no registration)
-        is kept RETIRED_HOLD_S, within DESTINATION_BYTES_MAX, and never handed out again."""
+        before its reply. Deregistered now; its memory (a WRITE over shared memory or TCP needs no
+        registration to land) is kept for the agent's life, within DESTINATION_BYTES_MAX, and never
+        handed out again."""
         with self._lock:
             i = next(i for i, b in enumerate(self._buffers) if b is view.obj)
             self._agent.deregister_memory(self._registrations.pop(i), backends=["UCX"])
-            self._retired.append((self._clock() + RETIRED_HOLD_S, self._buffers.pop(i)))
+            self._retired.append(self._buffers.pop(i))
             self.generation += 1
+
+    def quarantine(self, region: memoryview) -> None:
+        """The caller's ``region`` may still take a late WRITE: keep a reference to it for the agent's
+        life, so it is never freed to anyone else (and a pooled output, still exported, is never
+        handed out again)."""
+        with self._lock:
+            self._quarantined.append(region)
+
+    def quarantined_bytes(self) -> int:
+        with self._lock:
+            return sum(v.nbytes for v in self._quarantined)
 
     def progress(self) -> None:
         """Progress the agent (transfers into our buffers) and keep the notifications that came.
@@ -301,7 +314,8 @@ class NixlStatistics:
     buffers_retired: int = 0  # destination buffers never reused: a NIXL_GET into them ended before its reply
     scatters_settled: int = 0  # scatter NIXL_GETs without reply that the daemon then ended (SETTLE_TIMEOUT_S)
     scatters_unsettled: int = 0  # scatter NIXL_GETs not ended in time, or answered with an error after WRITEs
-    # were posted (released, not stopped): a late WRITE may land in the caller's memory
+    # were posted (released, not stopped): a late WRITE may land in the caller's memory, which is quarantined
+    quarantined_bytes: int = 0  # callers' memory kept referenced for good (ClientAgent.quarantine)
 
 
 class NixlTransport:
@@ -319,7 +333,7 @@ class NixlTransport:
         self._lock = threading.Lock()
         self._closed = False
         self._daemon_agent: str | None = None
-        self._counts = {f.name: 0 for f in fields(NixlStatistics) if f.name != "transport"}
+        self._counts = {f.name: 0 for f in fields(NixlStatistics) if f.name not in ("transport", "quarantined_bytes")}
         first = self._open_channel()  # fails now, not on the first GET, where NIXL or the daemon cannot
         try:
             peer = first.sock.getpeername()[0]
@@ -363,7 +377,7 @@ class NixlTransport:
 
     def statistics(self) -> NixlStatistics:
         with self._lock:
-            return NixlStatistics(self.transport, **self._counts)
+            return NixlStatistics(self.transport, **self._counts, quarantined_bytes=self.agent.quarantined_bytes())
 
     def get_many(self, keys: list[bytes], lengths: list[int], seqs: list[int], ns_id: bytes | None = None,
                  landing: Landing | None = None) -> list:
@@ -395,6 +409,8 @@ class NixlTransport:
             if arriving.transfer_open:
                 self.agent.retire(buf)
                 self._count(buffers_retired=1)
+            if arriving.unsettled:
+                self.agent.quarantine(landing.region)
 
     def _fetch(self, keys, lengths, seqs, ns_id, destinations: list[list[memoryview]], arriving: ArrivingBlocks,
                scatter: bool) -> list:
@@ -452,11 +468,11 @@ class NixlTransport:
             self._count(refused=1)
             arriving.transfer_open = exc.code != p.ErrorCode.BAD_REQUEST  # BAD_REQUEST: refused before any WRITE
             if arriving.transfer_open and extents is not None:  # released, not cancelled: over TCP bytes still come
-                self._scatter_unsettled(ch, f"the daemon gave up on its WRITEs: {_code_name(exc.code)}")
+                self._scatter_unsettled(ch, arriving, f"the daemon gave up on its WRITEs: {_code_name(exc.code)}")
             raise NixlFetchFailed(f"NIXL_GET refused by the daemon: {exc}") from None
         except BaseException:
             if extents is not None:  # the caller's memory: it must not be written once the load returns
-                self._settle(ch, take_parts)
+                self._settle(ch, arriving, take_parts)
             raise
         arriving.transfer_open = False
         self._count(requests=1)
@@ -472,7 +488,7 @@ class NixlTransport:
                                       f"blocks within {NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
             os.sched_yield()
 
-    def _settle(self, ch: ControlChannel, take_parts) -> None:
+    def _settle(self, ch: ControlChannel, arriving: ArrivingBlocks, take_parts) -> None:
         """End a scatter NIXL_GET that got no reply on ``ch``: wait for the daemon to end it, progressing
         the agent meanwhile (a WRITE over TCP moves only so), and count how that went."""
         def progress() -> None:
@@ -488,19 +504,22 @@ class NixlTransport:
         started = time.monotonic()
         end = ch.settle(SETTLE_TIMEOUT_S, progress, self._poll_s)
         if end is None:
-            self._scatter_unsettled(ch, f"the daemon did not end it within {SETTLE_TIMEOUT_S} s (SETTLE_TIMEOUT_S)")
+            self._scatter_unsettled(ch, arriving,
+                                    f"the daemon did not end it within {SETTLE_TIMEOUT_S} s (SETTLE_TIMEOUT_S)")
         elif isinstance(end, p.ErrorReply) and end.code != p.ErrorCode.BAD_REQUEST:
-            self._scatter_unsettled(ch, f"the daemon gave up on its WRITEs: {_code_name(end.code)}")
+            self._scatter_unsettled(ch, arriving, f"the daemon gave up on its WRITEs: {_code_name(end.code)}")
         else:  # its reply (every WRITE done, or refused before any), or its close (it had ended the request)
             self._count(scatters_settled=1)
             log.info("event=nixl_scatter_settled daemon=%s:%d request=%d wait_s=%.3f", self._host, self._port,
                      ch.last_request_id, time.monotonic() - started)
 
-    def _scatter_unsettled(self, ch: ControlChannel, why: str) -> None:
-        """A scatter NIXL_GET whose WRITEs may still land in the caller's memory after the load returns."""
+    def _scatter_unsettled(self, ch: ControlChannel, arriving: ArrivingBlocks, why: str) -> None:
+        """A scatter NIXL_GET whose WRITEs may still land in the caller's memory after the load returns:
+        that memory is quarantined when the load returns (get_many)."""
+        arriving.unsettled = True
         self._count(scatters_unsettled=1)
         log.warning("event=nixl_scatter_unsettled daemon=%s:%d request=%d: %s; a late WRITE may land in the caller's "
-                    "memory", self._host, self._port, ch.last_request_id, why)
+                    "memory, which is kept referenced for good", self._host, self._port, ch.last_request_id, why)
 
     @property
     def puts(self) -> bool:

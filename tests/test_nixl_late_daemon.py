@@ -99,7 +99,7 @@ def test_a_source_buffer_of_a_write_given_up_on_is_not_reused_while_nixl_may_sti
             patch.setattr(transport.agent, "progress", lambda: None)
             with pytest.raises(nixl_transport.NixlFetchFailed, match="TIMEOUT"):
                 transport.get_many(keys[:1], lengths[:1], seqs[:1], NS)
-        target = np.frombuffer(transport.agent._retired[-1][1], np.uint8)[:lengths[0]]  # where the late WRITE lands
+        target = np.frombuffer(transport.agent._retired[-1], np.uint8)[:lengths[0]]  # where the late WRITE lands
         first = target.copy()
         parked = _nixl_stats(daemon.data_addr)
         with BlockClient(daemon.data_addr) as client:  # the next request, read into a daemon buffer

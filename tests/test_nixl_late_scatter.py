@@ -148,3 +148,41 @@ def test_a_scatter_get_answered_in_time_is_not_settled(daemon):
         assert stats.scatters_settled == stats.scatters_unsettled == 0 and stats.blocks_in_place == 1
     finally:
         transport.close()
+
+
+def test_a_pooled_output_an_unsettled_scatter_wrote_into_is_never_handed_out_again(daemon, monkeypatch):
+    """The daemon stays stopped past the settle bound, so the load returns while its WRITE is still to
+    come; the pooled output it scattered into is dropped by the caller. The pool never hands that
+    buffer out again (the agent keeps it referenced), so the WRITE that comes once the daemon resumes
+    lands where nobody else's data is."""
+    from kvtier.client.output_buffers import OutputBuffers
+
+    monkeypatch.setattr(nixl_transport, "SETTLE_TIMEOUT_S", 0.5)
+    keys, blocks, locations = put_blocks(daemon.data_addr, 1, PAYLOAD_BYTES, seed=75)
+    lengths, seqs = [loc.length for loc in locations], [loc.seq for loc in locations]
+    pool = OutputBuffers(64 << 20)
+    transport = NixlTransport(daemon.data_addr, timeout_s=CLIENT_TIMEOUT_S)
+    try:
+        output = pool.take(PAYLOAD_BYTES)
+        region = memoryview(output)
+        lent = transport.agent.lend(region)
+        lent.__enter__()
+        transport.get_many(keys, lengths, seqs, NS, landing=_landing(output))  # the endpoint is wired up
+        output[:] = 0
+        served = transfers_served(daemon.data_addr)
+        with daemon.stopped(resume_after_s=RESUME_AFTER_S):
+            with pytest.raises(p.ConnectionLost, match="no reply"):
+                transport.get_many(keys, lengths, seqs, NS, landing=_landing(output))
+            stats = transport.statistics()
+            assert stats.scatters_unsettled == 1 and stats.quarantined_bytes >= PAYLOAD_BYTES
+            lent.__exit__(None, None, None)
+            del output, region, lent  # the caller lets go of its output: a pool would hand it out again
+            others = [pool.take(PAYLOAD_BYTES) for _ in range(3)]  # the next loads' outputs
+            for other in others:
+                other[:] = PATTERN
+        _wait_served(daemon, transport, served)
+        for other in others:  # the late WRITE landed in none of them
+            assert bytes(other[:PAYLOAD_BYTES]) == bytes([PATTERN]) * PAYLOAD_BYTES, "a late WRITE landed in reused memory"
+        assert pool.statistics().buffers == 4  # the quarantined one is kept, not reused
+    finally:
+        transport.close()
