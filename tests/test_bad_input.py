@@ -343,3 +343,29 @@ def test_a_full_disk_is_a_device_error_naming_the_device_and_the_daemon_serves_o
         code = d.stop()
     # SIGTERM cannot seal the open region on a full disk: a clear line and exit 3, no traceback
     assert code == 3 and "event=stopped_unclean" in d.log_tail() and "Traceback" not in d.log_tail(), d.log_tail()
+
+
+@pytest.mark.root
+def test_buffered_puts_on_a_full_disk_are_device_errors_logged_once_not_no_space(tmp_path, small_filesystem):
+    devices = [str(small_filesystem / f"d{i}.img") for i in range(2)]
+    for path in devices:
+        os.truncate(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), 32 << 20)
+    d = start_kvtierd(tmp_path / "d", "--device", devices[0], "--device", devices[1], "--device-size", "32m",
+                      "--region-size", "4m", "--stripe-size", "256k")
+    codes = []
+    try:
+        with BlockClient(d.data_addr) as c:
+            for i in range(120):  # 120 MiB of buffered puts: the seals and reclaims hit the full filesystem
+                key = i.to_bytes(16, "little")
+                try:
+                    c.put(key, encode_block(key, bytes(16), 0, os.urandom(1 << 20)))
+                except RemoteError as exc:
+                    codes.append(exc.code)
+                    assert "No space left on device" in str(exc) and ".img" in str(exc), exc
+            assert codes, "the filesystem never filled"
+            assert set(codes) == {p.ErrorCode.DEVICE_ERROR}, codes  # not NO_SPACE: no pin fills this store
+            c.ping()
+    finally:
+        d.stop()
+    log = d.log_tail(200_000)
+    assert "Traceback" not in log and log.count("event=reclaim_device_errors_began") <= 2, log[-4000:]

@@ -53,7 +53,7 @@ def test_unexpected_engine_exception_exits_non_zero_and_restart_recovers(tmp_pat
         trigger.touch()
         with pytest.raises(RemoteError) as info:
             c.put(key(99), block(99), durable=True)
-    assert info.value.code == ErrorCode.INTERNAL and "fails closed" in str(info.value)
+    assert info.value.code == ErrorCode.INTERNAL and "failed closed" in str(info.value)
     assert "RuntimeError" in str(info.value) and "injected bug" in str(info.value)
     assert d.proc.wait(EXIT_WAIT_S) == EXIT_ENGINE_FAILED, d.log_tail()
     d.proc.stdout.close()
@@ -88,3 +88,46 @@ def test_failed_engine_makes_the_daemon_not_ready_and_refuses_requests(tmp_path)
         assert info.value.code == ErrorCode.SHUTTING_DOWN
     finally:
         assert daemon.shutdown()  # closes without sealing
+
+
+def test_a_bug_outside_the_engine_fails_its_request_and_connection_and_the_daemon_serves_on(tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    from kvtier.daemon.admin.view import AdminStateView
+    from kvtier.wire import connection as p
+
+    cfg = config_from_args(["--data-dir", str(tmp_path / "d"), "--device-size", "64m", "--region-size", "4m",
+                            "--stripe-size", "256k", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+    daemon = Daemon(cfg)
+    daemon.start()
+    daemon.state.set_ready(True)
+    try:
+        handler = daemon.state.data_server._handler
+
+        def stats_bug(msg, session, token):
+            raise RuntimeError("a bug in the STATS reply")
+        monkeypatch.setitem(handler._dispatch, p.Stats, stats_bug)
+        host, port = daemon.state.data_address[:2]
+        with BlockClient(f"{host}:{port}", pool_size=1) as c:
+            c.put(key(1), block(1), durable=True)
+            with pytest.raises(RemoteError) as info:
+                c.stats()
+        assert info.value.code == ErrorCode.INTERNAL and "a bug in the STATS reply" in str(info.value)
+        assert "serves on" in str(info.value)
+        with BlockClient(f"{host}:{port}") as c:  # the engine did not fail: every other client is served
+            assert c.lookup([key(1)]) == 1 and c.get(key(1))[64:] == block(1)[64:]
+            c.put(key(2), block(2))
+        assert daemon.engine_failure is None and daemon.state.ready
+
+        monkeypatch.setattr(AdminStateView, "server_statistics", lambda self: 1 / 0)
+        admin = "http://%s:%d" % daemon.state.admin_address[:2]
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(admin + "/v1/stats", timeout=10)
+        assert http.value.code == 500 and b"ZeroDivisionError" in http.value.read()
+        monkeypatch.undo()
+        metrics = urllib.request.urlopen(admin + "/metrics", timeout=10).read().decode()
+        assert "kvtier_admin_internal_errors_total 1.0" in metrics
+        assert daemon.engine_failure is None and daemon.state.ready
+    finally:
+        assert daemon.shutdown()

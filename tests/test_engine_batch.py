@@ -163,7 +163,7 @@ def test_get_many_into_checks_every_buffer_before_reading(busy):
         busy.get_many_into([key(0), key(1)], [bytearray(300_000), small])
     with pytest.raises(ValueError, match="buffers"):
         busy.get_many_into([key(0)], [])
-    with pytest.raises(TypeError, match="read-only"):
+    with pytest.raises(ValueError, match="read-only"):
         busy.get_into(key(0), bytes(300_000))
     assert busy.get_many_into([key(99)], [small]) == [None]  # a miss needs no room
     after = busy.statistics()

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from kvtier.daemon.engine import Engine, EngineConfig, NoSpaceError
+from kvtier.daemon.engine import Engine, EngineConfig, EngineFailedError, NoSpaceError
 from kvtier.daemon.engine.devices import MemoryDevice
 from kvtier.daemon.engine.index import BlockIndex
 from kvtier.daemon.engine.regionfmt import KIND_TOMBSTONE, keys_to_halves
@@ -418,10 +418,12 @@ def test_a_commit_never_writes_a_moved_pinned_block_before_the_entry_that_pins_i
         engine.close()
 
 
-def test_a_reclaim_that_crashes_puts_its_victim_back_for_the_next_one(monkeypatch):
+def test_a_bug_in_the_reclaim_worker_fails_the_engine_closed_and_no_writer_waits_for_it(monkeypatch):
     import kvtier.daemon.engine.region_manager as region_manager
 
     engine, _, _ = memory_store(regions=6)
+    told = []
+    engine.on_failure = told.append
     read_entries, crashed = region_manager.read_region_entries, []
 
     def crash_once(*args):
@@ -430,20 +432,18 @@ def test_a_reclaim_that_crashes_puts_its_victim_back_for_the_next_one(monkeypatc
             raise RuntimeError("a bug in the reclaim")
         return read_entries(*args)
     monkeypatch.setattr(region_manager, "read_region_entries", crash_once)
-    refused = 0
+    refused = None
     for i in range(120):
         try:
             engine.put(block(i, 12_000))
-        except NoSpaceError as exc:  # the writer that waited on the crashed reclaim hears of it
-            assert "a bug in the reclaim" in str(exc)
-            refused += 1
-    idle(engine)
-    assert crashed and refused <= 1
-    victim = crashed[0]
-    assert victim not in engine._table.reclaiming
-    evicted = engine.statistics().evicted_regions
-    for i in range(120, 240):  # every region, the crashed victim included, is reclaimed again
-        engine.put(block(i, 12_000))
-    assert engine.statistics().evicted_regions - evicted >= 6
-    assert victim not in engine._table.reclaiming
-    engine.close()
+        except EngineFailedError as exc:  # the writer that waited on the crashed reclaim hears of it
+            refused = i
+            assert "RuntimeError in the reclaim worker: a bug in the reclaim" in str(exc)
+            break
+    assert crashed and refused is not None
+    assert told == [engine.failure] and "a bug in the reclaim" in engine.failure
+    with pytest.raises(EngineFailedError):  # every call from now on
+        engine.put(block(500, 12_000))
+    with pytest.raises(EngineFailedError):
+        engine.get(key(0))
+    engine.close()  # seals nothing: a restart recovers from flash

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.common.aligned import align_down
 from kvtier.common.blockformat import BlockFormatError, decode_header
-from kvtier.daemon.engine import DeviceError, Engine
+from kvtier.daemon.engine import DeviceError, Engine, EngineFailedError
 from kvtier.daemon.engine import put_reservations
 from kvtier.daemon.engine import regionfmt as fmt
 from kvtier.daemon.engine.devices import FaultyDevice, MemoryDevice
@@ -297,7 +297,7 @@ def test_a_commit_with_entries_never_carries_a_reservation_in_their_first_page_t
     engine.close()
 
 
-def test_a_commit_that_fails_after_placing_is_taken_back_and_frees_the_open_region(monkeypatch):
+def test_a_commit_that_fails_after_placing_is_taken_back_and_fails_the_engine_closed(monkeypatch):
     engine, _, _ = mem_engine()
     blocks = [block(1, 1000), block(3, 2000)]
     reservation = reserve(engine, blocks)
@@ -306,16 +306,31 @@ def test_a_commit_that_fails_after_placing_is_taken_back_and_frees_the_open_regi
     def fails(pending):
         raise RuntimeError("the index insert failed")
     monkeypatch.setattr(engine._blocks, "insert_appended", fails)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(EngineFailedError, match="RuntimeError in Engine.commit_put: the index insert failed"):
         engine.commit_put(reservation)
     monkeypatch.undo()
     engine.abort_put(reservation)  # what the handler's finally does: a no-op now
     image = engine._allocator.open
     assert image.data_end == reservation.offset and engine._allocator.reservation is None
     assert bytes(reservation.view) == bytes(reservation.view.nbytes), "client bytes left past data_end"
-    writer = threading.Thread(target=lambda: engine.put(block(2, 500)), daemon=True)
-    writer.start()
-    writer.join(5)
-    assert not writer.is_alive(), "a later PUT still waits for the failed commit's reservation"
-    assert present(engine, [1, 2, 3]) == [2]
+    with pytest.raises(EngineFailedError):  # a bug in engine state: nothing more is served
+        engine.put(block(2, 500))
+    engine.close()
+
+
+def test_a_writer_waits_for_a_reservation_a_bounded_time_and_is_told_what_it_waited_for(monkeypatch):
+    from kvtier.daemon.engine import WaitTimeoutError
+    from kvtier.daemon.engine import allocator as allocator_module
+
+    monkeypatch.setattr(allocator_module, "RESERVATION_WAIT_S_MAX", 0.2)
+    engine, _, _ = mem_engine()
+    held = reserve(engine, [block(1, 3000)])  # a client that never sends the rest of its PUT
+    assert held is not None
+    with pytest.raises(WaitTimeoutError, match=r"waited 0.2 s for the PUT being received in place \(3064 bytes into region"):
+        engine.put(block(2, 500))
+    with pytest.raises(WaitTimeoutError):
+        engine.delete_many([key(5)])
+    engine.abort_put(held)  # the connection closes: the others go on
+    engine.put(block(2, 500))
+    assert present(engine, [1, 2]) == [2] and engine.failure is None
     engine.close()

@@ -49,7 +49,7 @@ def build_app(view: AdminStateView) -> FastAPI:
     app = FastAPI(title="kvtierd admin API", version="1", openapi_url=None, docs_url=None, redoc_url=None,
                   description="Health, statistics, per-block info, pin/unpin, evict, config and "
                               "Prometheus metrics of one kvtierd storage node.")
-    install_error_handlers(app, on_internal_error=lambda reason: view.engine.fail(reason))
+    install_error_handlers(app, on_internal_error=view.count_internal_error)
     app.add_middleware(RequestGate, view=view)  # auth and the body limit, for every route, before a body is read
 
     def require_ready() -> None:

@@ -3,7 +3,8 @@
 HTTP errors, request validation failures and engine exceptions all pass
 through here, so a client always gets a machine-readable kind and a message
 that names the problem. A client that leaves in the middle of its body is its own
-doing: a 400 nobody reads, never an internal error (which fails the engine closed).
+doing: a 400 nobody reads. An unexpected exception here is a 500 for that request, logged and
+counted; the engine fails itself closed only for a bug in its own state (EngineFailedError, 503).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvtier.daemon.engine.errors import DeviceError, EngineError, EngineFailedError, NoSpaceError
+from kvtier.daemon.engine.errors import (DeviceError, EngineBugError, EngineError, EngineFailedError, NoSpaceError,
+                                         WaitTimeoutError)
 
 log = logging.getLogger("kvtier.admin")
 
@@ -40,7 +42,7 @@ def validation_message(exc: RequestValidationError) -> str:
 
 
 def install_error_handlers(app: FastAPI, on_internal_error: Callable[[str], None] | None = None) -> None:
-    """``on_internal_error``: told of an unexpected exception (the daemon fails its engine closed)."""
+    """``on_internal_error``: told of an unexpected exception (the daemon counts it)."""
     @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException is a subclass
     async def _http_error(request: Request, exc: StarletteHTTPException):
         response = error_response(exc.status_code, str(exc.detail))
@@ -64,12 +66,16 @@ def install_error_handlers(app: FastAPI, on_internal_error: Callable[[str], None
 
     @app.exception_handler(EngineFailedError)
     async def _failed(request: Request, exc: EngineFailedError):
-        return error_response(503, str(exc))
+        return error_response(500 if isinstance(exc, EngineBugError) else 503, str(exc))
 
     @app.exception_handler(DeviceError)
     async def _device_error(request: Request, exc: DeviceError):
         log.error("admin request %s %s failed: %s", request.method, request.url.path, exc)
-        return error_response(503, str(exc))
+        return error_response(503, str(exc), error="device_error")
+
+    @app.exception_handler(WaitTimeoutError)
+    async def _wait_timeout(request: Request, exc: WaitTimeoutError):
+        return error_response(503, str(exc), error="busy")
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError):

@@ -97,6 +97,9 @@ class KvtierCollector(Collector):
                                 value=1.0 if self._view.ready() else 0.0)
         yield GaugeMetricFamily("kvtier_start_time_seconds", "Start time of kvtierd since the Unix epoch.",
                                 value=self._view.start_time_unix_s())
+        yield CounterMetricFamily("kvtier_admin_internal_errors",
+                                  "Admin requests that failed on an unexpected exception (500; the daemon serves on).",
+                                  value=self._view.internal_errors)
 
     def _engine(self, engine: dict) -> Iterable[Metric]:
         for field_name, name, help_text in _ENGINE_COUNTERS:

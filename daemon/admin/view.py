@@ -35,6 +35,10 @@ class AdminStateView:
 
     def __init__(self, state) -> None:
         self._state = state
+        self.internal_errors = 0  # admin requests that raised an unexpected exception (500)
+
+    def count_internal_error(self, reason: str) -> None:
+        self.internal_errors += 1
 
     @property
     def engine(self):

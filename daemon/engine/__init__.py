@@ -37,9 +37,10 @@ Modules, one job each:
 """
 from .config import EngineConfig
 from .engine import Engine
-from .errors import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError, NoSpaceError
+from .errors import (BadArgumentError, BlockTooLargeError, DeviceError, EngineBugError, EngineError, EngineFailedError,
+                     GeometryError, NoSpaceError, WaitTimeoutError)
 from .locations import LOCATION_DTYPE, BlockLocation
 from .statistics import EngineStatistics
 
 __all__ = ["BlockTooLargeError", "Engine", "EngineConfig", "EngineStatistics", "BlockLocation", "LOCATION_DTYPE",
-           "EngineError", "EngineFailedError", "NoSpaceError", "GeometryError", "DeviceError"]
+           "EngineError", "EngineFailedError", "EngineBugError", "BadArgumentError", "WaitTimeoutError", "NoSpaceError", "GeometryError", "DeviceError"]

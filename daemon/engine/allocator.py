@@ -38,7 +38,7 @@ from kvtier.common.aligned import align_down, aligned_buffer
 from . import regionfmt as fmt
 from .blockmap import BlockMap
 from .durability import write_and_sync
-from .errors import DeviceError
+from .errors import DeviceError, WaitTimeoutError
 from .index import SEQ_DELTA_MAX
 from .openregion import OpenRegion
 from .raid0 import StripedArray
@@ -47,6 +47,9 @@ from .seqs import SeqCounter
 from .statistics import EngineCounters
 
 log = logging.getLogger("kvtier.daemon.engine")
+
+DEVICE_WAIT_S_MAX = 60.0  # a seal or region header write that takes longer is a device that does not answer
+RESERVATION_WAIT_S_MAX = 120.0  # a PUT received in place holds the open image at most this long for others
 
 
 class Allocator:
@@ -64,6 +67,7 @@ class Allocator:
         self._spare: OpenRegion | None = OpenRegion(aligned_buffer(region_size_bytes, populate=True, huge=True))
         self.sealing: tuple[OpenRegion, list, Future | None] | None = None
         self._header_write: tuple[list, Future] | None = None  # a region header queued behind the seal
+        self._covers: list[Future] = []  # zeroed pages of requests taken back, queued (take_back)
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-seal")
         self.active = False  # whether self.open holds a region
         self.writes_issued = 0  # seals and region headers handed to the sealer thread so far
@@ -80,10 +84,18 @@ class Allocator:
         self._rolling: dict[tuple[int, int], int] = {}  # (region, base_seq) -> writers waiting to roll over from it
 
     def wait_unreserved(self, timeout_s: float | None = None) -> bool:
-        """Return (holding the engine lock, which the caller holds) once no reservation is in flight,
-        True; False if one still is after ``timeout_s``. The lock is let go while waiting, so a
-        writer calls this before it decides anything."""
-        return self._unreserved.wait_for(lambda: self.reservation is None, timeout_s)
+        """Return (holding the engine lock, which the caller holds) once no reservation is in flight:
+        True; with ``timeout_s``, False if one still is then. Without it, WaitTimeoutError naming
+        the reservation after RESERVATION_WAIT_S_MAX. The lock is let go while waiting, so a writer
+        calls this before it decides anything."""
+        if self._unreserved.wait_for(lambda: self.reservation is None,
+                                     RESERVATION_WAIT_S_MAX if timeout_s is None else timeout_s):
+            return True
+        if timeout_s is not None:
+            return False
+        held = self.reservation
+        raise WaitTimeoutError(f"waited {RESERVATION_WAIT_S_MAX:g} s for the PUT being received in place "
+                               f"({sum(held.lengths)} bytes into region {held.region}) to be committed or aborted")
 
     def reservation_resolved(self) -> None:
         """The reservation was committed or aborted (called under the lock)."""
@@ -200,41 +212,50 @@ class Allocator:
                                                          align_down(image.written_end)))
 
     def reap_seal(self, wait: bool) -> None:
-        """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED.
-        A failed seal write is retried here, in the caller's thread, and raises if it fails again.
-        So is the header write of the region opened since (queued behind the seal)."""
-        self._reap_seal_write(wait)
-        if self.sealing is None and self._header_write is not None:
-            ranges, fut = self._header_write
-            if not wait and (not fut.done() or fut.exception() is not None):
-                return  # a failed header write is retried by the next caller that must wait
-            try:
-                fut.result()
-            except DeviceError:
-                self._counters.device_errors += 1
-                write_and_sync(self._array, ranges, self._counters)  # raises again: still owed, retried next time
-            self._header_write = None
-
-    def _reap_seal_write(self, wait: bool) -> None:
-        if self.sealing is None:
-            return
-        image, writes, fut = self.sealing
-        if fut is not None:
-            if not wait and not fut.done():
+        """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED. So is
+        the header write of the region opened since (queued behind the seal). A failed write is
+        written again by the sealer thread, never under the lock: a caller that must wait waits for
+        that retry and raises DeviceError if it fails too (still owed: the next one retries)."""
+        image, writes, fut = self.sealing or (None, None, None)
+        if image is not None:
+            done, fut = self._reaped(fut, writes, wait, f"the seal of region {image.region}")
+            if not done:
+                self.sealing = (image, writes, fut)
                 return
-            try:
-                fut.result()
-            except DeviceError:
-                self._counters.device_errors += 1
-                self.sealing = (image, writes, None)
-                fut = None
-        if fut is None:
+            self._table.seal(image.region, image.last_seq, image.data_end)
+            self.sealing = None
+            self._spare = image
+        if self._header_write is not None:
+            ranges, fut = self._header_write
+            done, fut = self._reaped(fut, ranges, wait, "a region header")
+            self._header_write = None if done else (ranges, fut)
+
+    def _reaped(self, fut: Future | None, ranges: list, wait: bool, what: str) -> tuple[bool, Future | None]:
+        """(True, _) once ``fut`` (or its retry) has written ``ranges``; else (False, the write still
+        in flight, or None: it failed and is owed). Raises its DeviceError if ``wait``."""
+        retried = False
+        while True:
+            if fut is None:
+                if not wait:
+                    return False, None  # retried by the next caller that must wait (seal, flush, durable put, close)
+                fut, retried = self._sealer.submit(write_and_sync, self._array, ranges, self._counters), True
+            if not wait and not fut.done():
+                return False, fut
+            error = wait_bounded(fut, what)
+            if error is None:
+                return True, fut
+            if not retried:
+                self._counters.device_errors += 1  # (write_and_sync counts its own)
+            if retried:
+                raise error
+            fut = None
             if not wait:
-                return  # retried by the next caller that must wait (seal, flush, durable put, close)
-            write_and_sync(self._array, writes, self._counters)
-        self._table.seal(image.region, image.last_seq, image.data_end)
-        self.sealing = None
-        self._spare = image
+                return False, None
+
+    def write_failed(self) -> bool:
+        """Whether a seal or header write failed and is still owed."""
+        return (self.sealing is not None and self.sealing[2] is None) or \
+            (self._header_write is not None and self._header_write[1] is None)
 
     def image_of(self, region: int) -> OpenRegion | None:
         """The DRAM image holding ``region`` (open, or still being sealed), if any."""
@@ -319,10 +340,23 @@ class Allocator:
         assert seq - self.open.base_seq <= SEQ_DELTA_MAX, seq - self.open.base_seq
         return region * self._region_size + offset, seq
 
+    def queue_cover(self, ranges: list) -> None:
+        """Write (offset, buffer) ranges -- zeroed pages a request taken back had written -- on the
+        sealer thread, best effort (a failure is counted; the request's own error is what its caller
+        got). They are pending writes: a commit waits for them before it writes the same pages."""
+        self._covers = [fut for fut in self._covers if not fut.done()]
+        self._covers.append(self._sealer.submit(_best_effort, write_and_sync, self._array, ranges, self._counters))
+
+    def wait_covers(self) -> None:
+        """Wait (bounded, without the lock) for the cover writes queued so far."""
+        for fut in list(self._covers):
+            wait_futures([fut], DEVICE_WAIT_S_MAX)
+
     def pending_writes(self) -> list[Future]:
-        """The seal and header writes in flight (a durability promise waits for them, without the lock)."""
+        """The seal, header and cover writes in flight (a durability promise waits for them, without the lock)."""
         futures = [self.sealing[2]] if self.sealing is not None and self.sealing[2] is not None else []
-        return futures + ([self._header_write[1]] if self._header_write is not None else [])
+        return futures + ([self._header_write[1]] if self._header_write is not None and
+                          self._header_write[1] is not None else []) + [f for f in self._covers if not f.done()]
 
     def await_seal_for(self, nbytes: int, entries: int) -> None:
         """A batch that will not fit the open region needs the spare image, which is free only
@@ -339,6 +373,25 @@ class Allocator:
     def close(self) -> None:
         """Stop the sealer thread (after the seal in flight, if any, is written)."""
         self._sealer.shutdown(wait=True)
+
+
+def _best_effort(write, *args) -> None:
+    try:
+        write(*args)
+    except DeviceError:
+        pass  # counted by the write
+
+
+def wait_bounded(fut: Future, what: str) -> DeviceError | None:
+    """Wait for a device write on the sealer thread at most DEVICE_WAIT_S_MAX; its DeviceError, or
+    one naming ``what`` if it did not complete, or None."""
+    done, _ = wait_futures([fut], DEVICE_WAIT_S_MAX)
+    if not done:
+        return DeviceError(f"{what} was not written within {DEVICE_WAIT_S_MAX:g} s (the device does not answer)")
+    error = fut.exception()
+    if error is not None and not isinstance(error, DeviceError):
+        raise error  # a bug in the write path
+    return error
 
 
 def _after(writes: list, start: int) -> list:

@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .errors import BadArgumentError
+
 DELETED_KEYS_MAX = 1 << 17  # about 30 MiB of Python objects; 4 TiB of 32 MiB blocks
 DELETED_KEY_AGE_S = 24 * 3600.0  # a replica away longer than this may get deleted blocks back
 
@@ -62,7 +64,7 @@ class DeletedKeys:
         """Up to ``limit`` deleted keys from position ``cursor`` on, oldest delete first (16 bytes each,
         joined), and the next page's cursor (0 after the last). A listing, not a snapshot, as ``/v1/keys``."""
         if cursor < 0 or limit < 1:
-            raise ValueError(f"cursor {cursor} and limit {limit}: need cursor >= 0 and limit >= 1")
+            raise BadArgumentError(f"cursor {cursor} and limit {limit}: need cursor >= 0 and limit >= 1")
         self._expire()
         keys = list(self._at)[cursor:cursor + limit]
         after = cursor + len(keys)

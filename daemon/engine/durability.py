@@ -25,8 +25,7 @@ later commit writes (:meth:`Durability.owe_entries`) until one succeeds.
 
 Metadata records (tombstones, pins) are summary entries of the open region;
 :meth:`Durability.record` appends one; a DELETE, PIN or UNPIN makes them last by a group
-commit with entries. :meth:`Durability.persist_records` writes them under the lock (the
-tombstones of a failed commit, written at once).
+commit with entries. Only :meth:`Durability.make_durable`, at close, writes under the lock.
 """
 from __future__ import annotations
 
@@ -152,19 +151,19 @@ class Durability:
 
     def _wait_for_issued_writes(self) -> None:
         """Until every seal and region header issued so far is written (under the lock, let go
-        while waiting; a failed write is retried here, the only write under the lock)."""
+        while waiting; a failed write is retried on the sealer thread, see Allocator.reap_seal)."""
         allocator = self._allocator
         while True:
             futures = allocator.pending_writes()
-            if not futures and not (allocator.sealing is not None and allocator.sealing[2] is None):
+            if not futures and not allocator.write_failed():
                 return
             self._lock.release()
             try:
                 wait_futures(futures)
             finally:
                 self._lock.acquire()
-            failed = any(f.done() and f.exception() is not None for f in allocator.pending_writes()) or \
-                (allocator.sealing is not None and allocator.sealing[2] is None)
+            failed = allocator.write_failed() or \
+                any(f.done() and f.exception() is not None for f in allocator.pending_writes())
             allocator.reap_seal(wait=failed)
             if not failed and all(f.done() for f in allocator.pending_writes()):
                 allocator.reap_seal(wait=True)  # all complete: reaping does not wait
@@ -275,12 +274,13 @@ class Durability:
         entries too, until one succeeds. Under the lock."""
         self._entries_owed_from = self._started + 1  # not one in flight: its snapshot may predate them
 
-    def persist_records(self) -> None:
-        """Make the metadata records appended so far durable (under the lock)."""
-        self.make_durable(with_entries=True)
-
     def write_and_sync(self, ranges) -> None:
         write_and_sync(self._array, ranges, self._counters)
+
+    def cover(self, ranges) -> None:
+        """Queue the zeroed pages of a request taken back for the sealer thread (under the lock, no
+        I/O here); every later commit and seal lands after them (Allocator.queue_cover)."""
+        self._allocator.queue_cover(ranges)
 
     def write_records(self, records: list[tuple]) -> None:
         """Append (kind, k0, k1, ns, target_seq) records to the open region's summary."""

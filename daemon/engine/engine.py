@@ -32,6 +32,8 @@ open region's filled part in place) or ``close``.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -52,7 +54,8 @@ from .blockmap import BlockMap
 from .config import EngineConfig
 from .devices import Device
 from .durability import Durability
-from .errors import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError
+from .errors import (BadArgumentError, BlockTooLargeError, DeviceError, EngineBugError, EngineError, EngineFailedError,
+                     GeometryError)
 from .get_driver import GetDriver
 from .index import PINNED_BIT
 from .locations import LOCATION_DTYPE, BlockLocation
@@ -68,6 +71,29 @@ from .seqs import SeqCounter
 from .statistics import EngineCounters, EngineStatistics
 from .take_back import appends_or_nothing, forget_new_keys, take_back_failed_commit
 from .store import StoreLayout, format_store, open_devices, read_superblocks, validate_store, write_generation
+
+log = logging.getLogger("kvtier.daemon.engine")
+
+
+def fails_closed(method):
+    """An Engine call whose unexpected exception (not an EngineError, not a malformed block) is a bug
+    in engine state: the engine fails closed and the caller gets EngineBugError naming it."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except DeviceError:
+            self._allocator.wait_covers()  # what the failed request wrote is covered before its caller hears
+            raise
+        except (EngineError, BlockFormatError):
+            raise
+        except Exception as exc:
+            reason = f"{type(exc).__name__} in Engine.{method.__name__}: {exc}"
+            log.exception("event=engine_bug call=%s", method.__name__)
+            self.fail(reason)
+            raise EngineBugError(f"internal error: the engine failed closed ({reason}); a restart recovers from "
+                                 f"flash") from exc
+    return guarded
 
 
 class Engine:
@@ -145,6 +171,7 @@ class Engine:
                                                 self._lock, self._seqs, self._check_open, size, self._counters,
                                                 cfg.pinned_fraction_max, self._regions.data_regions)
         self._regions.soft_pins = self._pins_and_deletes.soft  # reclaim moves soft-pinned blocks
+        self._regions.on_bug = self.fail
         self._in_place = InPlacePuts(self._blocks, self._allocator, self._durability, self._lock, self._seqs,
                                      self._counters, self._check_open, lambda: self.block_size_max_bytes, size,
                                      self.put_many, self._commit_or_take_back)
@@ -167,6 +194,7 @@ class Engine:
         """Store one block (header + payload); returns its seq. A present key is a no-op."""
         return self.put_many([block], durable)[0]
 
+    @fails_closed
     def put_many(self, blocks: Iterable, durable: bool = False, skip_deleted: bool = False) -> list[int]:
         """Store blocks; with ``durable`` they are on flash and synced on return. All are validated before any is
         stored. A batch failing after it crossed into a new region keeps what it placed before (:mod:`.take_back`).
@@ -274,24 +302,32 @@ class Engine:
                                                 self._region_size)
                     except EngineError as exc:
                         self.fail(f"the blocks of a failed durable commit could not be tombstoned ({exc})")
+                        raise
+                try:
+                    self._durability.commit(with_entries=True)  # their tombstones, without the lock
+                except DeviceError:
+                    pass  # failed again (counted): every later commit writes them
             raise
 
     def _put_or_nothing(self, k0s: np.ndarray, k1s: np.ndarray, slots: list[int], kept: np.ndarray):
         """Taking back a PUT batch that raises (take_back): its blocks leave the index and the open
         image, but for those ``kept`` (placed before it crossed into a new region)."""
         undo = forget_new_keys(self._blocks, k0s, k1s, slots, kept)
-        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.write_and_sync,
+        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.cover,
                                   undo)
 
     # -- put received in place (put_reservations.InPlacePuts) --------------------
+    @fails_closed
     def reserve_put(self, keys: Sequence, lengths: Sequence[int], new_region: bool = True) -> Reservation | None:
         """Room in the open region to receive blocks into (``reservation.view``), then
         :meth:`commit_put` or :meth:`abort_put`; None: use :meth:`put_many`."""
         return self._in_place.reserve(keys, lengths, new_region)
 
+    @fails_closed
     def commit_put(self, reservation: Reservation, durable: bool = False) -> list[int]:
         return self._in_place.commit(reservation, durable)
 
+    @fails_closed
     def abort_put(self, reservation: Reservation) -> None:
         self._in_place.abort(reservation)
 
@@ -300,9 +336,11 @@ class Engine:
         """The whole verified block, or None (absent or failed verification)."""
         return self.get_many([key])[0]
 
+    @fails_closed
     def get_many(self, keys: Sequence) -> list[bytes | None]:
         return self._gets.get(keys)
 
+    @fails_closed
     def get_into(self, key, buf) -> int | None:
         """Place the verified block in ``buf``; returns its size, or None. A block on flash is read
         straight into ``buf`` when ``buf`` is page-aligned (an ``aligned_buffer``) and holds the
@@ -311,11 +349,13 @@ class Engine:
         contents of ``buf`` are undefined."""
         return self.get_many_into([key], [buf])[0]
 
+    @fails_closed
     def get_many_into(self, keys: Sequence, bufs: Sequence) -> list[int | None]:
         """The batch form of :meth:`get_into`: block i goes to ``bufs[i]`` (writable, distinct).
         Every buffer is checked for size against the index before any read."""
         return self._gets.get(keys, bufs, placed=False, verify_payload=True)
 
+    @fails_closed
     def get_many_placed(self, keys: Sequence, bufs: Sequence,
                         verify_payload: bool = True) -> list[tuple[int, int] | None]:
         """Like :meth:`get_many_into`, but block i may land anywhere in ``bufs[i]``: it comes back
@@ -327,16 +367,19 @@ class Engine:
         caller passing the block to a reader that checks it (the daemon's GET)."""
         return self._gets.get(keys, bufs, placed=True, verify_payload=verify_payload)
 
+    @fails_closed
     def record_misses(self, count: int) -> None:
         """Count GETs of keys a caller found absent with :meth:`locate_buffer` and so
         never asked to read (the server sizes its replies that way)."""
         self._gets.count_gets(count, 0, 0)
 
     # -- lookup / locate -----------------------------------------------------
+    @fails_closed
     def lookup(self, keys: Sequence) -> int:
         """How many leading keys of a chain are present (one vectorized probe)."""
         return self._lookup_halves(*fmt.keys_to_halves(keys))
 
+    @fails_closed
     def lookup_buffer(self, keys_buf) -> int:
         """:meth:`lookup` for N keys given as one contiguous buffer of N x 16 bytes (bytes,
         memoryview, a NumPy array): no per-key Python step at all."""
@@ -354,6 +397,7 @@ class Engine:
         present = slots >= 0
         return int(len(present) if present.all() else np.argmin(present))
 
+    @fails_closed
     def locate_many(self, keys: Sequence) -> list[BlockLocation | None]:
         if not len(keys):
             return []
@@ -363,6 +407,7 @@ class Engine:
                                                          rows["length"].tolist(), rows["seq"].tolist(),
                                                          rows["sealed"].tolist())]
 
+    @fails_closed
     def locate_buffer(self, keys_buf) -> np.ndarray:
         """:meth:`locate_many` for N keys given as one contiguous buffer of N x 16 bytes: a
         LOCATION_DTYPE array of N rows (``found`` False: absent, the other fields 0)."""
@@ -382,16 +427,19 @@ class Engine:
         return rows
 
     # -- delete / pin (pins_and_deletes.PinsAndDeletes) --------------------------
+    @fails_closed
     def delete_many(self, keys: Sequence) -> list[bool]:
         """Forget blocks; a tombstone in the open region's summary makes it last (synced on return)."""
         return self._pins_and_deletes.delete_many(keys)
 
+    @fails_closed
     def pin_many(self, keys: Sequence, ttl_s: float | None = None) -> list[bool]:
         """Pin the present keys (per key: present). Without ``ttl_s`` a hard pin, durable on
         return; with it a soft pin for ``ttl_s`` seconds, in memory only (see :mod:`.soft_pins`).
         Refused whole (PinLimitError) past ``pinned_fraction_max`` of the capacity."""
         return self._pins_and_deletes.pin(keys, ttl_s)
 
+    @fails_closed
     def unpin_many(self, keys: Sequence) -> list[bool]:
         """Drop the hard and soft pins of the present keys (per key: present)."""
         return self._pins_and_deletes.unpin(keys)
@@ -406,10 +454,12 @@ class Engine:
         with self._lock:
             self._pins_and_deletes.soft.clock = clock
 
+    @fails_closed
     def delete_namespace(self, ns_id: bytes) -> int:
         """Delete every block of a namespace (reads the region summaries); returns the count."""
         return self._pins_and_deletes.delete_namespace(ns_id)
 
+    @fails_closed
     def delete_all(self) -> int:
         """Forget every block: a new generation in all superblocks makes every region free."""
         with self._lock, self._regions.hold():
@@ -449,6 +499,7 @@ class Engine:
         with self._lock:
             self._blocks.events = listener
 
+    @fails_closed
     def stored_keys(self, then: Callable[[], object] = lambda: None) -> tuple[np.ndarray, np.ndarray, object]:
         """Every stored key as (k0, k1) little-endian halves, and what ``then()`` returns when
         called under the same lock hold: a listener's position in its event stream, so the keys
@@ -458,12 +509,13 @@ class Engine:
             slots = self._index.live_slots()
             return self._index.k0[slots], self._index.k1[slots], then()
 
+    @fails_closed
     def keys_page(self, cursor: int, limit: int) -> tuple[bytes, int]:
         """Up to ``limit`` stored keys from index slot ``cursor`` on (16 bytes each, joined) and
         the next page's cursor (0 after the last page). A listing, not a snapshot: a table that
         grows between pages may list a key twice or skip one (a later listing sees it)."""
         if cursor < 0 or limit < 1:
-            raise ValueError(f"cursor {cursor} and limit {limit}: need cursor >= 0 and limit >= 1")
+            raise BadArgumentError(f"cursor {cursor} and limit {limit}: need cursor >= 0 and limit >= 1")
         with self._lock:
             self._check_open()
             live = self._index.live_slots()
@@ -472,12 +524,14 @@ class Engine:
             more = len(slots) == limit and int(slots[-1]) < int(live[-1])
         return pairs.tobytes(), int(slots[-1]) + 1 if more else 0
 
+    @fails_closed
     def deleted_keys_page(self, cursor: int, limit: int) -> tuple[bytes, int]:
         """As :meth:`keys_page`, of the keys deleted lately (:mod:`.deleted_keys`), oldest first."""
         with self._lock:
             return self._blocks.deleted.page(cursor, limit)
 
     # -- info / maintenance --------------------------------------------------
+    @fails_closed
     def block_info(self, key) -> dict | None:
         k0, k1 = fmt.key_to_halves(bytes(key))
         with self._lock:
@@ -509,6 +563,7 @@ class Engine:
                 "region": region, "seq": seq, "pinned": pinned or soft_pinned, "soft_pinned": soft_pinned,
                 "region_last_access": last_access, "sealed": on_flash}
 
+    @fails_closed
     def flush(self) -> None:
         """Make every block and record stored so far durable: the open region's filled part is
         written in place and synced (recovery walks it), nothing is sealed. A group commit, without
@@ -517,6 +572,7 @@ class Engine:
             self._check_open()
         self._durability.commit(with_entries=True)
 
+    @fails_closed
     def statistics(self) -> EngineStatistics:
         with self._lock:
             if not self._closed:

@@ -24,7 +24,7 @@ from . import regionfmt as fmt
 from .allocator import Allocator
 from .blockmap import BlockMap
 from .buffers import copy_bytes
-from .errors import EngineError
+from .errors import BadArgumentError, EngineError
 from .raid0 import StripedArray
 from .reader import BlockReader, ReadFailure
 from .statistics import EngineCounters
@@ -50,14 +50,14 @@ class GetDriver:
         """Block i as bytes, or None -- or, with ``bufs``, placed in ``bufs[i]``: its size, or with
         ``placed`` (offset, size) (see ``Engine.get_many_placed``)."""
         if bufs is not None and len(keys) != len(bufs):
-            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+            raise BadArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
         keys = [bytes(k) for k in keys]
         targets = None
         if bufs is not None:
             targets = [memoryview(b).cast("B") for b in bufs]
             for i, target in enumerate(targets):
                 if target.readonly:
-                    raise TypeError(f"buffer {i} is read-only")
+                    raise BadArgumentError(f"buffer {i} is read-only")
         results: list = [None] * len(keys)
         pending = self._serve_or_locate(keys, results, targets, placed)
         for _ in range(READ_RETRIES + 1):

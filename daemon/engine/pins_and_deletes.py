@@ -436,5 +436,5 @@ class PinsAndDeletes:
         """Records appended inside this block are taken back out of the open image if it raises
         (with room reserved first, they all go to the image open on entry), and ``undo`` is run."""
         assert self._allocator.active, "records appended with no open region (reserve room first)"
-        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.write_and_sync,
+        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.cover,
                                   undo)

@@ -151,7 +151,7 @@ class InPlacePuts:
             self._release(reservation)  # its blocks become appends (the lock is held throughout)
             on_error.push(lambda kind, *_: _zero_if_failed(kind, reservation))  # after the take-back below
             on_error.enter_context(appends_or_nothing(  # a commit that fails (a durable write) is taken back
-                allocator, self._blocks.table, self._region_size, self._durability.write_and_sync,
+                allocator, self._blocks.table, self._region_size, self._durability.cover,
                 forget_new_keys(self._blocks, k0, k1, np.full(len(k0), -1))))
             seqs, pending = [], []
             for k0_, k1_, header, length in zip(k0.tolist(), k1.tolist(), headers, reservation.lengths):

@@ -34,7 +34,10 @@ must outlive what it held (``RegionTable.stale_on_flash``).
 A device error while reclaiming a victim (its summary or a pinned block cannot be read, the
 commit fails) puts it back in the policy, or retires it after RECLAIM_FAILURES_MAX failures in
 a row, with a log line and a counter; when no victim can be reclaimed the writers waiting get
-NoSpaceError naming why.
+NoSpaceError naming why. A device error that stops the attempt itself (the seal it waits for,
+the region it opens) is the writers' DeviceError, logged once per episode of failed attempts
+with their count. Any other exception is a bug in engine state: the engine fails closed
+(``on_bug``, :meth:`Engine.fail`) and every writer waiting gets EngineFailedError.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ from . import regionfmt as fmt
 from .allocator import Allocator
 from .blockmap import BlockMap
 from .durability import Durability
-from .errors import DeviceError, EngineError, NoSpaceError
+from .errors import DeviceError, EngineError, EngineFailedError, NoSpaceError, WaitTimeoutError
 from .index import PINNED_BIT, SEQ_DELTA_MAX
 from .no_space import no_space_message
 from .raid0 import StripedArray
@@ -68,6 +71,7 @@ log = logging.getLogger("kvtier.daemon.engine")
 RESERVE_REGIONS = 1  # clean regions writers leave to the reclaim worker: where it compacts moved blocks
 CLEAN_POOL_FRACTION_MAX = 1 / 8  # the pool never holds more than this share of the store's regions
 RECLAIM_FAILURES_MAX = 2  # device errors in a row while reclaiming one region before it is retired
+CLEAN_REGION_WAIT_S_MAX = 120.0  # a writer waits this long for one reclaim attempt to end (each ends: device waits are bounded)
 REVALIDATE_ROUNDS_MAX = 4  # rounds of (look, read what is missing or take the reserve) before a victim is left for later
 
 
@@ -99,7 +103,10 @@ class RegionManager:
         self._waiters: list[tuple] = []  # writers waiting for a clean region: (floor, satisfied, attempts, since)
         self._attempts = 0  # reclaim attempts finished so far
         self._last_failed_attempt = 0  # the number of the last one that reclaimed nothing
-        self._failure = ""  # why it reclaimed nothing
+        self._failure: EngineError | None = None  # why it reclaimed nothing, as the writers waiting get it
+        self._device_episode = 0  # attempts in a row that stopped on a device error (logged at the first and last)
+        self._broken: str | None = None  # a bug stopped the worker: the engine failed closed
+        self.on_bug = lambda reason: None  # wired by the engine: Engine.fail
         self._paused_after_failure = False
         self._busy = False  # the worker is reclaiming (the lock may be let go)
         self._holds = 0  # callers that need the worker idle (delete_all)
@@ -128,6 +135,8 @@ class RegionManager:
             while self._table.free_count <= floor:
                 if self._closing:
                     raise EngineError("engine is closed")
+                if self._broken is not None:
+                    raise EngineFailedError(f"the engine failed closed ({self._broken}); a restart recovers from flash")
                 if waiter is None:
                     waiter = (floor, satisfied, self._attempts, time.monotonic())
                     self._waiters.append(waiter)
@@ -135,8 +144,12 @@ class RegionManager:
                     self._changed.notify_all()
                 elif self._last_failed_attempt > waiter[2]:
                     self._counters.alloc_failures += 1
-                    raise NoSpaceError(self._failure)
-                self._changed.wait()
+                    raise type(self._failure)(str(self._failure))
+                elif time.monotonic() - waiter[3] > CLEAN_REGION_WAIT_S_MAX:
+                    self._counters.alloc_failures += 1
+                    raise WaitTimeoutError(f"waited {CLEAN_REGION_WAIT_S_MAX:g} s for a clean region "
+                                           f"(reclaim attempts since: {self._attempts - waiter[2]}, busy: {self._busy})")
+                self._changed.wait(CLEAN_REGION_WAIT_S_MAX)
                 if satisfied():
                     return None
         finally:
@@ -203,19 +216,40 @@ class RegionManager:
                     return
                 self._busy = True
                 try:
-                    failure = self._reclaim_one()
-                except Exception as exc:  # a bug: writers waiting must not wait forever
+                    reason = self._reclaim_one()
+                    failure = NoSpaceError(reason) if reason else None
+                except DeviceError as exc:
+                    failure = DeviceError(f"reclaim stopped on a device error: {exc}")
+                except WaitTimeoutError as exc:
+                    failure = exc
+                except Exception as exc:  # a bug in engine state: fail closed; nobody waits on the worker again
                     log.exception("event=reclaim_crashed")
-                    failure = f"reclaim failed: {exc!r}"
+                    self._broken = f"{type(exc).__name__} in the reclaim worker: {exc}"
+                    self.on_bug(self._broken)
+                    self._changed.notify_all()
+                    return
                 finally:
                     self._busy = False
                 self._attempts += 1
-                if failure:
+                self._note_device_episode(failure)
+                if failure is not None:
                     self._failure, self._last_failed_attempt = failure, self._attempts
                 else:
                     self._allocator.held_region = None  # a region is back in the pool: writers may fill what is left
-                self._paused_after_failure = bool(failure)
+                self._paused_after_failure = failure is not None
                 self._changed.notify_all()
+
+    def _note_device_episode(self, failure: EngineError | None) -> None:
+        """One log line when attempts begin to stop on device errors, one with their count when one
+        no longer does (not a line per writer refused)."""
+        if isinstance(failure, DeviceError):
+            self._counters.reclaim_errors += 1
+            self._device_episode += 1
+            if self._device_episode == 1:
+                log.error("event=reclaim_device_errors_began reason=%r (writers waiting get DEVICE_ERROR)", str(failure))
+        elif self._device_episode:
+            log.warning("event=reclaim_device_errors_ended attempts_failed=%d", self._device_episode)
+            self._device_episode = 0
 
     def _reclaim_one(self) -> str:
         """Reclaim one victim into the pool; '' on success, else why nothing could be reclaimed."""

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
+from .errors import BadArgumentError
+
 REGION_HEADER_BYTES = 4096  # one O_DIRECT page, so it can be rewritten alone when a region opens
 REGION_HEADER_MAGIC = b"KVRH"
 TRAILER_MAGIC = b"KVRS"
@@ -178,7 +180,7 @@ def keys_to_halves(keys) -> tuple[np.ndarray, np.ndarray]:
     joined = b"".join(bytes(k) for k in keys)
     if len(joined) != 16 * len(keys):
         bad = next(k for k in keys if len(bytes(k)) != 16)
-        raise ValueError(f"keys must be 16 bytes, got {len(bytes(bad))}")
+        raise BadArgumentError(f"keys must be 16 bytes, got {len(bytes(bad))}")
     pairs = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
     return pairs[:, 0].copy(), pairs[:, 1].copy()
 
@@ -189,9 +191,9 @@ def key_buffer_to_halves(keys_buf) -> tuple[np.ndarray, np.ndarray]:
     try:
         view = memoryview(keys_buf).cast("B")
     except TypeError as exc:
-        raise ValueError(f"keys buffer must be C-contiguous: {exc}") from exc
+        raise BadArgumentError(f"keys buffer must be C-contiguous: {exc}") from exc
     if view.nbytes % 16:
-        raise ValueError(f"keys buffer of {view.nbytes} bytes is not a whole number of 16-byte keys")
+        raise BadArgumentError(f"keys buffer of {view.nbytes} bytes is not a whole number of 16-byte keys")
     pairs = np.frombuffer(view, dtype="<u8").reshape(-1, 2)
     return pairs[:, 0].copy(), pairs[:, 1].copy()
 
@@ -199,7 +201,7 @@ def key_buffer_to_halves(keys_buf) -> tuple[np.ndarray, np.ndarray]:
 def key_to_halves(key: bytes) -> tuple[int, int]:
     """One 16-byte key -> its (k0, k1) little-endian halves."""
     if len(key) != 16:
-        raise ValueError(f"keys must be 16 bytes, got {len(key)}")
+        raise BadArgumentError(f"keys must be 16 bytes, got {len(key)}")
     return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
 
 

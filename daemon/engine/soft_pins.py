@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .errors import BadArgumentError
 from .index import BlockIndex
 
 SOFT_PIN_TTL_S_MAX = (2**32 - 1) / 1000  # the wire's u32 of milliseconds: about 49.7 days
@@ -28,7 +29,7 @@ def check_ttl_s(ttl_s: float) -> float:
     """``ttl_s`` as a float if it is a usable TTL (positive, finite, at most SOFT_PIN_TTL_S_MAX); else ValueError."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) \
             or not 0 < ttl_s <= SOFT_PIN_TTL_S_MAX:
-        raise ValueError(f"a soft pin's ttl_s must be a number in (0, {SOFT_PIN_TTL_S_MAX}] seconds, got {ttl_s!r}")
+        raise BadArgumentError(f"a soft pin's ttl_s must be a number in (0, {SOFT_PIN_TTL_S_MAX}] seconds, got {ttl_s!r}")
     return float(ttl_s)
 
 

@@ -53,15 +53,15 @@ from .regions import RegionTable
 
 class appends_or_nothing:  # noqa: N801 (used as a context manager, like contextlib's)
     """Callers hold the engine lock throughout (the mark is only good while nobody else appends).
-    ``write_and_sync``: (logical offset, buffer) ranges to write and sync (``Durability.write_and_sync``).
+    ``cover``: queues (logical offset, buffer) ranges to write and sync (``Durability.cover``).
     A class, not a generator: every PUT enters one."""
 
-    __slots__ = ("_allocator", "_table", "_region_size", "_write_and_sync", "_undo", "_image", "_mark")
+    __slots__ = ("_allocator", "_table", "_region_size", "_cover", "_undo", "_image", "_mark")
 
     def __init__(self, allocator: Allocator, table: RegionTable, region_size_bytes: int,
-                 write_and_sync: Callable[[list], None], undo: Callable[[], None] | None = None):
+                 cover: Callable[[list], None], undo: Callable[[], None] | None = None):
         self._allocator, self._table, self._region_size = allocator, table, region_size_bytes
-        self._write_and_sync, self._undo = write_and_sync, undo
+        self._cover, self._undo = cover, undo
         self._image = allocator.open if allocator.active else None
         self._mark = None
 
@@ -96,17 +96,15 @@ class appends_or_nothing:  # noqa: N801 (used as a context manager, like context
             if region in table.meta_records:
                 del table.meta_records[region][records_kept:]
             if ranges and isinstance(exc, DeviceError):
-                _cover(self._write_and_sync, region * self._region_size, image, ranges)
+                _cover(self._cover, region * self._region_size, image, ranges)
         return False
 
 
-def _cover(write_and_sync: Callable[[list], None], base: int, image, ranges) -> None:
-    """Write the zeroed pages of a failed request once more (best effort: the device just
-    failed, and the request's own error is what the caller gets; write_and_sync counts it)."""
-    try:
-        write_and_sync([(base + start, image.flash_copy(start, end)) for start, end in ranges])
-    except DeviceError:
-        pass
+def _cover(cover: Callable[[list], None], base: int, image, ranges) -> None:
+    """Queue the zeroed pages of a failed request to be written once more (Durability.cover: on the
+    sealer thread, best effort: the device just failed, and the request's own error is what the
+    caller gets)."""
+    cover([(base + start, image.flash_copy(start, end)) for start, end in ranges])
 
 
 def forget_new_keys(blocks: BlockMap, k0s: np.ndarray, k1s: np.ndarray, slots_before,
@@ -130,7 +128,8 @@ def take_back_failed_commit(blocks: BlockMap, allocator: Allocator, durability: 
     later commit made durable meanwhile (another caller's PUT of the same key was acknowledged);
     each one dropped, or evicted meanwhile (its bytes may still be on flash), gets a tombstone.
     Raises what appending them raises (NoSpaceError: no room for a record; DeviceError: a seal
-    that room needs failed): the caller then fails the engine closed."""
+    that room needs failed): the caller then fails the engine closed. The caller commits them,
+    without the lock."""
     k0, k1, addr, seq = (np.array(col, np.uint64) for col in zip(*placed))
     index = blocks.index
     slots = index.find_many(k0, k1)
@@ -142,11 +141,7 @@ def take_back_failed_commit(blocks: BlockMap, allocator: Allocator, durability: 
     blocks.forget(slots[doomed])
     for i in np.flatnonzero(doomed | ~found).tolist():
         durability.record(fmt.KIND_TOMBSTONE, int(k0[i]), int(k1[i]), fmt.NO_NAMESPACE, int(seq[i]))
-    durability.owe_entries()
-    try:
-        durability.persist_records()
-    except DeviceError:
-        pass  # failed again (counted): a later commit writes them
+    durability.owe_entries()  # the caller's next commit (without the lock) writes them, and every later one until one succeeds
 
 
 def _durable_now(allocator: Allocator, addr: int, length: int, region_size_bytes: int) -> bool:
@@ -210,4 +205,4 @@ def take_back_failed_records(allocator: Allocator, table: RegionTable, durabilit
             records[i] = (fmt.KIND_TOMBSTONE, k0, k1, fmt.NO_NAMESPACE, seq, 0)
         ranges = [(align_down(start), align_up(end))]
         durability.owe_entries()
-    _cover(durability.write_and_sync, appended.region * region_size_bytes, image, ranges)
+    _cover(durability.cover, appended.region * region_size_bytes, image, ranges)

@@ -2,9 +2,10 @@
 
 No sockets here: :class:`RequestHandler.handle` takes a request message and a
 per-connection :class:`.session.Session` and returns ``(reply, close_after)``.
-Engine failures become error replies naming the problem; an unexpected exception
-(a bug) is a logged INTERNAL reply and fails the engine closed (``Engine.fail``: the
-daemon exits for its supervisor to restart it, recovering from flash). GET is answered
+Engine failures become error replies naming the problem. A bug inside the engine fails it
+closed (the engine does that itself: EngineFailedError, the daemon exits for its supervisor
+to restart it, recovering from flash); any other unexpected exception (NIXL, upstream, this
+handler) is a logged INTERNAL reply that closes its connection, and the daemon serves on. GET is answered
 by :mod:`.get_reply`; the buffers requests borrow are lent by
 :mod:`.request_buffers`.
 """
@@ -19,7 +20,8 @@ import numpy as np
 from kvtier.common.cluster_url import PREPLACE_CLIENT_NAME
 from kvtier.common.blockformat import BlockFormatError, decode_header
 from kvtier.common.tokens import token_matches
-from kvtier.daemon.engine import BlockTooLargeError, DeviceError, EngineError, EngineFailedError, NoSpaceError
+from kvtier.daemon.engine import (BlockTooLargeError, DeviceError, EngineBugError, EngineError, EngineFailedError,
+                                  NoSpaceError, WaitTimeoutError)
 from kvtier.daemon.server.arenas import ReplyArenas
 from kvtier.daemon.server.get_reply import GetReplies, packed_keys
 from kvtier.daemon.server.request_buffers import RequestBuffers, TransientBudgetSpent
@@ -34,6 +36,7 @@ log = logging.getLogger("kvtier.daemon.server")
 
 # engine exceptions other than NoSpace, each with the code the client gets
 ENGINE_ERROR_CODES = ((BlockTooLargeError, p.ErrorCode.TOO_LARGE), (DeviceError, p.ErrorCode.DEVICE_ERROR),
+                      (EngineBugError, p.ErrorCode.INTERNAL), (WaitTimeoutError, p.ErrorCode.BUSY),
                       (EngineFailedError, p.ErrorCode.SHUTTING_DOWN), (EngineError, p.ErrorCode.BAD_REQUEST))
 
 
@@ -95,13 +98,13 @@ class RequestHandler:
             code = next(code for kind, code in ENGINE_ERROR_CODES if isinstance(exc, kind))
             self._stats.error(code.name)
             return p.ErrorReply(msg.request_id, code, str(exc)), False
-        except Exception as exc:  # a bug: the engine's state may be half updated, so it fails closed (the daemon exits)
+        except Exception as exc:  # a bug outside the engine (the engine fails itself closed on its own):
+            # this request fails and its connection closes; every other client is served on
             log.exception("event=internal_error peer=%s op=%s", session.peer, type(msg).__name__)
             self._stats.error(p.ErrorCode.INTERNAL.name)
-            self._engine.fail(f"{type(exc).__name__} in {type(msg).__name__}: {exc}")
             return p.ErrorReply(msg.request_id, p.ErrorCode.INTERNAL,
-                                f"internal error: {type(exc).__name__}: {exc}; kvtierd fails closed and restarts to "
-                                f"recover from flash"), True
+                                f"internal error: {type(exc).__name__}: {exc}; this connection is closed, "
+                                f"the daemon serves on"), True
 
     def hello_info(self, session: Session | None = None) -> dict:
         """HELLO's reply; NIXL's features only for a client the NIXL service trusts."""
