@@ -333,7 +333,7 @@ class DaemonConfig:
                                 stripe_size_bytes=self.stripe_size_bytes, region_size_bytes=self.region_size_bytes,
                                 eviction=self.eviction, reinsertion_hits_min=self.reinsert_hits,
                                 pinned_fraction_max=self.pinned_fraction_max,
-                                clean_regions_target=self.clean_regions_target)
+                                clean_regions_target=self.clean_regions_target, rescue_dir=str(self.data_dir))
         except ValueError as exc:  # EngineConfig names its field: region_size_bytes, device_paths, ...
             raise ConfigError(str(exc).removeprefix("EngineConfig.")) from None
 

@@ -50,6 +50,7 @@ _ENGINE_COUNTERS = (
     ("reclaims", "kvtier_reclaims", "Regions the background reclaim worker returned to the clean pool."),
     ("reclaim_errors", "kvtier_reclaim_errors", "Reclaims given up on a device error (region back in the policy, or retired)."),
     ("regions_retired", "kvtier_regions_retired", "Regions never reused until a restart after device errors in their reclaim."),
+    ("rescues", "kvtier_rescues", "In-place compactions at open of a store left with no clean region (rescue journal)."),
     ("group_commits", "kvtier_group_commits", "Durability commits (one write pass and fdatasync for every caller waiting)."),
     ("durable_commit_waiters", "kvtier_durable_commit_waiters", "Durable puts, flushes and reclaims acknowledged by a commit."),
 )

@@ -33,6 +33,10 @@ class EngineConfig:
     # pinned bytes (hard and soft pins) may hold at most this fraction of the store's room for blocks;
     # a PIN past it is refused (PinLimitError), PUTs never are
     pinned_fraction_max: float = PINNED_FRACTION_MAX_DEFAULT
+    # a directory on a filesystem beside the store (the daemon's data directory) for the rescue
+    # journal of an in-place compaction at open (rescue.py); None: a store left with no clean region
+    # is not repaired at open
+    rescue_dir: str | None = None
 
     def __post_init__(self) -> None:
         paths = tuple(str(p) for p in self.device_paths) if not isinstance(self.device_paths, str) else None

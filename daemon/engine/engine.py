@@ -164,7 +164,8 @@ class Engine:
                                       self._lock)
         self._regions = RegionManager(self._blocks, self._allocator, self._durability, self._array, self._reader,
                                       self._lock, self._seqs, self._counters,
-                                      make_reinsertion(cfg.reinsertion_hits_min), size, cfg.clean_regions_target)
+                                      make_reinsertion(cfg.reinsertion_hits_min), size, cfg.clean_regions_target,
+                                      cfg.rescue_dir)
         self._gets = GetDriver(self._blocks, self._allocator, self._reader, self._lock, self._counters,
                                self._check_open, size, self._array)
         self._pins_and_deletes = PinsAndDeletes(self._blocks, self._allocator, self._durability, self._array,

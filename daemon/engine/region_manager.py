@@ -61,6 +61,8 @@ from .no_space import no_space_message
 from .raid0 import StripedArray
 from .reader import BlockReader, ReadFailure
 from .recovery import read_region_entries
+from .regions import RegionState
+from .rescue import Rescue, RescueJournal
 from .reinsertion import HOT_REINSERT_FRACTION_MAX, ReinsertionPolicy
 from .seqs import SeqCounter
 from .soft_pins import SoftPins
@@ -84,7 +86,8 @@ def effective_target(configured: int, region_count: int) -> int:
 class RegionManager:
     def __init__(self, blocks: BlockMap, allocator: Allocator, durability: Durability, array: StripedArray,
                  reader: BlockReader, lock: threading.RLock, seqs: SeqCounter, counters: EngineCounters,
-                 reinsertion: ReinsertionPolicy, region_size_bytes: int, clean_regions_target: int = 2):
+                 reinsertion: ReinsertionPolicy, region_size_bytes: int, clean_regions_target: int = 2,
+                 rescue_dir: str | None = None):
         self._blocks = blocks
         self._index, self._table = blocks.index, blocks.table
         self._allocator = allocator
@@ -114,6 +117,7 @@ class RegionManager:
         self._failures: dict[int, int] = {}  # region -> device errors in a row while reclaiming it
         allocator.take_clean = self.take_clean
         allocator.give_back_clean = self.give_back_clean
+        self.repair_at_open(RescueJournal(rescue_dir) if rescue_dir is not None else None)
         self._worker = threading.Thread(target=self._run, name="kvtier-reclaim", daemon=True)
         self._worker.start()
 
@@ -492,6 +496,84 @@ class RegionManager:
                 elif slot < 0 and oldest is not None and oldest < target_seq:
                     out.append((kind, k0, k1, ns, target_seq))  # evicted, but a copy recovery may read is pinned
         return out
+
+    # -- repair at open: an in-place compaction (rescue) ---------------------------------
+    def repair_at_open(self, journal: RescueJournal | None) -> None:
+        """Before the worker starts: finish an in-place compaction a crash cut short (its journal is
+        there), or, when the store has no clean region left for the worker to compact into (an older
+        version, or a crash, left it so), compact the sealed region with the fewest pinned bytes in
+        place. Either way the region it compacts is open and held for the worker afterwards, so the
+        worker can always compact its next victim."""
+        with self._lock:
+            rescue = journal.read() if journal is not None else None
+            if rescue is not None:
+                log.warning("event=rescue_resumed region=%d blocks=%d records=%d", rescue.region,
+                            len(rescue.blocks), len(rescue.records))
+                self._compact_in_place(rescue.region, journal, rescue)
+            elif self._table.free_count == 0 and self._table.sealed_count:
+                sealed = np.flatnonzero(self._table.state == RegionState.SEALED)
+                sealed = np.array([r for r in sealed.tolist() if r not in self._table.retired], np.int64)
+                if not len(sealed):
+                    return
+                if journal is None:
+                    log.error("event=rescue_impossible reason='no clean region and no rescue_dir' (writes that "
+                              "need a new region may be refused until pins are undone)")
+                    return
+                victim = int(sealed[np.argmin(self._table.pinned_bytes[sealed])])
+                self._compact_in_place(victim, journal, None)
+
+    def _compact_in_place(self, victim: int, journal: RescueJournal, resumed: Rescue | None) -> None:
+        """Keep ``victim``'s pinned blocks and needed records (and those of a ``resumed`` journal that
+        are gone from the index) in the journal, free the region, open it again, append them and
+        commit; then remove the journal. Under the lock, at open (nobody else is served yet)."""
+        table, index = self._table, self._index
+        kept: list[tuple[int, bytes]] = []  # (slot or -1, verified block) to append
+        records: list[tuple] = list(resumed.records) if resumed is not None else []
+        slots = np.zeros(0, np.int64)
+        if table.state[victim] == RegionState.SEALED:
+            entries = read_region_entries(self._array, victim, self._region_size, int(table.base_seq[victim]))
+            blocks = entries[entries["kind"] == fmt.KIND_BLOCK]
+            slots = self._victim_slots(blocks, np.uint64(victim * self._region_size) + blocks["offset"].astype(np.uint64))
+            lo = victim * self._region_size
+            slots = np.union1d(slots, index.slots_in_range(lo, lo + self._region_size))
+            pinned = slots[(index.meta[slots] & np.uint32(PINNED_BIT)) != 0]
+            copies: dict = {}
+            if self._read_blocks(pinned.tolist(), copies):
+                log.error("event=rescue_failed region=%d reason='pinned blocks unreadable'", victim)
+                return
+            kept = [(int(slot), copies[self._copy_key(int(slot))][0]) for slot in pinned.tolist()]
+            records += self._needed_records(victim, {victim})
+        present = {(int(index.k0[s]), int(index.k1[s])) for s, _ in kept}
+        for block, was_pinned in resumed.blocks if resumed is not None else ():
+            k0, k1 = fmt.key_to_halves(decode_header(block).key)
+            if was_pinned and (k0, k1) not in present and index.find(k0, k1) < 0:
+                kept.append((-1, block))
+        kept = [(slot, block) for slot, block in kept if block]  # a corrupt one: dropped
+        journal.write(Rescue(victim, int(table.base_seq[victim]), [(block, True) for _, block in kept], records))
+        if table.state[victim] == RegionState.SEALED:  # free it: its kept blocks leave its accounting now
+            table.begin_reclaim(victim)
+            for slot, block in kept:
+                table.drop_blocks(np.array([victim]), np.array([len(block)]), np.array([True]))
+            self._blocks.forget(np.setdiff1d(slots, [slot for slot, _ in kept]))
+            table.release(victim)
+        table.take_free_region(victim)  # its new header lands with the commit below
+        self._allocator.open_region(victim)
+        self._allocator.held_region = victim
+        for slot, block in kept:
+            addr, seq = self._allocator.append_moved(memoryview(block), decode_header(block), True)
+            delta = seq - int(table.base_seq[victim])
+            if slot < 0:
+                k0, k1 = fmt.key_to_halves(decode_header(block).key)
+                self._blocks.insert_appended([(k0, k1, addr, len(block), delta)])
+                slot = index.find(k0, k1)
+            index.addr[slot] = addr
+            index.meta[slot] = delta | PINNED_BIT
+        self._durability.write_records(records)
+        self._unlocked(self._durability.commit, True)
+        journal.remove()
+        self._counters.rescues += 1
+        log.warning("event=rescued region=%d pinned_blocks=%d records=%d (compacted in place: the store had no "
+                    "clean region)", victim, len(kept), len(records))
 
     def invalidate_freed(self, generation: int) -> None:
         """At a clean close: give every freed region whose old contents are still on flash a new

@@ -63,6 +63,11 @@ class RegionTable:
     def take_free(self) -> int | None:
         return self._free.popleft() if self._free else None
 
+    def take_free_region(self, region: int) -> None:
+        """Take this FREE region from the pool (an in-place compaction opens it again)."""
+        assert self.state[region] == RegionState.FREE, f"region {region} taken while {self.state[region]}"
+        self._free.remove(region)
+
     def give_back_free(self, region: int) -> None:
         """A region taken from the pool but not opened: the pool's first again."""
         assert self.state[region] == RegionState.FREE, f"region {region} given back while {self.state[region]}"

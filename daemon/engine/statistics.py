@@ -26,6 +26,7 @@ class EngineCounters:
     clean_region_waits: int = 0  # writers that found the clean-region pool empty and waited for the reclaim worker
     clean_region_wait_seconds: float = 0.0  # the time they waited, summed
     reclaims: int = 0  # regions the reclaim worker returned to the pool
+    rescues: int = 0  # in-place compactions at open of a store with no clean region (rescue journal)
     reclaim_errors: int = 0  # reclaims given up on a device error (the region back in the policy, or retired)
     regions_retired: int = 0  # regions never reused again (until a restart) after device errors in their reclaim
     group_commits: int = 0  # durability commits run (each one write pass and fdatasync for every caller waiting)
@@ -64,6 +65,7 @@ class EngineStatistics:
     clean_region_waits: int = 0
     clean_region_wait_seconds: float = 0.0
     reclaims: int = 0
+    rescues: int = 0
     reclaim_errors: int = 0
     regions_retired: int = 0
     group_commits: int = 0
