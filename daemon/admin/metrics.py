@@ -66,6 +66,8 @@ _ENGINE_GAUGES = (
     ("pinned_bytes", "kvtier_pinned_bytes", "Bytes of pinned blocks, hard and soft pins."),
     ("soft_pinned_bytes", "kvtier_soft_pinned_bytes", "Bytes of blocks held by soft pins (PIN with a TTL)."),
     ("pinned_bytes_max", "kvtier_pinned_bytes_max", "The pinned-bytes limit: pinned_fraction_max of the capacity."),
+    ("pinned_cost_bytes", "kvtier_pinned_cost_bytes",
+     "What pins cost the cache, checked against the limit: their bytes, or the whole room of a region pinned past half."),
     ("recovered_blocks", "kvtier_recovered_blocks", "Blocks the last start recovered from region summaries."),
     ("recovery_seconds", "kvtier_recovery_duration_seconds", "Time the last start spent rebuilding the index."),
 )

@@ -587,6 +587,7 @@ class Engine:
                 recovery_seconds=self._recovery_seconds, index_bytes=self._index.nbytes,
                 pinned_bytes=hard_pinned + soft_pinned, soft_pinned_bytes=soft_pinned, soft_pins=len(soft),
                 soft_pins_expired=soft.expired, pinned_bytes_max=self._pins_and_deletes.pinned_bytes_max,
+                pinned_cost_bytes=self._pins_and_deletes.pinned_cost_bytes(),
                 clean_regions_target=self._regions.target)
 
     def fail(self, reason: str) -> None:

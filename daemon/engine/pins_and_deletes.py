@@ -98,19 +98,33 @@ class PinsAndDeletes:
         soft = self.soft.live_slots(self._index)
         return int(self._table.pinned_bytes.sum()), int(self._index.length[soft].astype(np.int64).sum())
 
+    def pinned_cost_bytes(self, extra: np.ndarray | None = None) -> int:
+        """What hard and soft pins (and ``extra`` pinned bytes per region) cost the cache
+        (RegionTable.pinned_cost_bytes); under the lock."""
+        region_count = self._table.region_count
+        soft = self.soft.bytes_by_region(self._index, self._region_size, region_count) if len(self.soft) else None
+        more = [a for a in (soft, extra) if a is not None]
+        return self._table.pinned_cost_bytes(sum(more) if more else None)
+
     def _check_pin_limit(self, new_slots: np.ndarray) -> None:
-        added = int(self._index.length[new_slots].astype(np.int64).sum())
+        """Refuse pins that would take what pins cost past the limit: their bytes, or a whole region's
+        room for a region they would pin past what a reclaim moves (it is then never reclaimed)."""
+        lengths = self._index.length[new_slots].astype(np.int64)
+        added = int(lengths.sum())
         if not added:
             return
-        hard, soft = self.pinned_bytes()
+        extra = np.zeros(self._table.region_count, np.int64)
+        np.add.at(extra, (self._index.addr[new_slots] // np.uint64(self._region_size)).astype(np.int64), lengths)
+        cost = self.pinned_cost_bytes(extra)
         limit = self.pinned_bytes_max
-        if hard + soft + added > limit:
+        if cost > limit:
+            hard, soft = self.pinned_bytes()
             self._counters.pins_refused += 1
             raise PinLimitError(
-                f"pin refused: {len(new_slots)} blocks of {added} bytes would bring the pinned bytes to "
-                f"{hard + soft + added}, past pinned_bytes_max={limit} (pinned_fraction_max="
-                f"{self._pinned_fraction_max} of {self._capacity_bytes} bytes); pinned now: {hard + soft} bytes "
-                f"({hard} hard, {soft} soft). Unpin or delete blocks, "
+                f"pin refused: {len(new_slots)} blocks of {added} bytes would bring what pins cost the cache to "
+                f"{cost} bytes, past pinned_bytes_max={limit} (pinned_fraction_max={self._pinned_fraction_max} of "
+                f"{self._capacity_bytes} bytes; a region pinned past half its room costs all of it, as it is never "
+                f"reclaimed); pinned now: {hard + soft} bytes ({hard} hard, {soft} soft). Unpin or delete blocks, "
                 f"or raise pinned_fraction_max")
 
     # -- deletes -----------------------------------------------------------

@@ -187,6 +187,14 @@ class RegionTable:
         return [region for region in self.policy.candidates()
                 if self.state[region] == RegionState.SEALED and pinned[region] <= limit]
 
+    def pinned_cost_bytes(self, extra_pinned_bytes: np.ndarray | None = None) -> int:
+        """What pins cost the cache: a region pinned past RECLAIM_PINNED_FRACTION_MAX is never
+        reclaimed, so it costs its whole room; any other region costs its pinned bytes (a reclaim moves
+        them and frees the rest). ``extra_pinned_bytes`` (per region) count as pinned too."""
+        pinned = self.pinned_bytes if extra_pinned_bytes is None else self.pinned_bytes + extra_pinned_bytes
+        stuck = pinned > self.region_capacity_bytes * RECLAIM_PINNED_FRACTION_MAX
+        return int(np.where(stuck, self.region_capacity_bytes, pinned).sum())
+
     def next_victim(self, extra_pinned_bytes: np.ndarray | None = None) -> int | None:
         """The first sealed region in policy order that may be reclaimed, or None. The policy's order
         is snapshotted once per VICTIM_QUEUE_REGIONS victims, not copied per reclaim, so the cost of a

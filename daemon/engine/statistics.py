@@ -62,6 +62,7 @@ class EngineStatistics:
     soft_pins: int = 0  # soft pins live now (some of their blocks may be gone)
     soft_pins_expired: int = 0  # soft pins that ran out since the start
     pinned_bytes_max: int = 0  # the limit: pinned_fraction_max of the store's room for blocks
+    pinned_cost_bytes: int = 0  # what pins cost: their bytes, or a whole region's room where they keep it from reclaim
     clean_region_waits: int = 0
     clean_region_wait_seconds: float = 0.0
     reclaims: int = 0
