@@ -15,10 +15,10 @@ otherwise), with control on the data protocol (NIXL_METADATA, NIXL_GET; docs/nix
 
 One NIXL agent per process (:class:`ClientAgent`), without a progress thread (NIXL's
 spins on a core even while idle): while a NIXL_GET is in flight the requesting thread
-progresses the agent itself, polling its notifications until the reply arrives: without
-pause over TCP, where a WRITE is emulated in software and moves only while the waiting
-side progresses, every ``PROGRESS_POLL_S`` over shared memory and RDMA, where it lands
-without us. Destination buffers are ``bytearray``
+progresses the agent itself, polling its notifications until the reply arrives, between
+waits on the control socket that double up to ``PROGRESS_WAIT_MAX_S``: over TCP, where a WRITE
+is emulated in software and moves only while the waiting side progresses, up to
+``TCP_PROGRESS_WAIT_MAX_S``. Destination buffers are ``bytearray``
 objects registered with it and reused once no view of them is left (the probe of
 :class:`~.block_client.ReplyBuffers`); a new one is announced to the daemon by
 sending NIXL_METADATA again before the next NIXL_GET on each control connection.
@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
+from kvtier.common.backoff import Backoff
 from kvtier.common.blockformat import BlockFormatError
 from kvtier.common.ucx_env import TransportPlan, apply_ucx_environment
 from kvtier.wire import connection as p
@@ -63,7 +64,7 @@ from kvtier.wire.payload_pieces import as_bytes_view
 
 from .block_client import _exported
 from .nixl_arrivals import ArrivingBlocks
-from .nixl_control import ControlChannel
+from .nixl_control import WAIT_FIRST_S, ControlChannel
 from .nixl_held import HeldPutMemory, may_have_posted
 from .nixl_put_plan import PutFrame, RegisteredMemory, joined_ranges, plan_put
 from .scatter_plan import Landing, LandedBlock
@@ -76,7 +77,8 @@ DESTINATION_BUFFER_BYTES_MIN = 16 << 20  # one arena's reply: smaller requests s
 DESTINATION_BYTES_MAX = 1 << 30  # all destination buffers of the process together
 SLOT_ALIGN_BYTES = 4096  # each block starts on a page of its destination buffer
 NOTES_KEPT_MAX = 4096  # requests whose notifications are kept, waiting to be taken (the oldest go first)
-PROGRESS_POLL_S = 0.001  # shared memory / RDMA: how often a waiting NIXL_GET progresses the agent
+PROGRESS_WAIT_MAX_S = 0.001  # shared memory / RDMA: the longest wait between progress calls of a NIXL_GET
+TCP_PROGRESS_WAIT_MAX_S = 50e-6  # over TCP, where a WRITE moves only while we progress
 LEND_PIECE_BYTES_MIN = 256 << 10  # a NIXL_PUT piece outside registered memory this large is lent, not copied
 NIXL_SETUP_TIMEOUT_S = 3.0  # connect, HELLO and NIXL_METADATA of a control connection, each: a stopped daemon
 SETTLE_TIMEOUT_S = 10.0  # a scatter NIXL_GET without reply waits this long for the daemon to end it: twice its
@@ -340,9 +342,8 @@ class NixlTransport:
             self.agent = ClientAgent.shared(loopback_only=peer.startswith("127.") or peer == "::1")
             plan = self.agent.plan
             self.transport = plan.name if first.same_host else "rdma" if "rc" in plan.tls.split(",") else "tcp"
-            # a WRITE over TCP is emulated in software and moves only while we progress: poll without
-            # pause; shared memory and RDMA land without us, so wait on the socket and look now and then
-            self._poll_s = 0.0 if self.transport == "tcp" else PROGRESS_POLL_S
+            # a WRITE over TCP is emulated in software and moves only while we progress
+            self._wait_max_s = TCP_PROGRESS_WAIT_MAX_S if self.transport == "tcp" else PROGRESS_WAIT_MAX_S
             self._puts = m.FEATURE_NIXL_PUT in first.info.get("features", ())
             self._limits = {**asdict(m.DEFAULT_LIMITS), **first.info.get("limits", {})}
             self._declare(first)
@@ -454,16 +455,18 @@ class NixlTransport:
              items: list[int], extents=None) -> tuple[int, ...]:
         """One NIXL_GET of ``keys`` (``items``: their indexes in ``arriving``); the parts the daemon
         notifies are checked as they come, while the reply is awaited and after it."""
-        def take_parts() -> None:
+        def take_parts() -> bool:
             self.agent.progress()
-            for item, offset, length in self.agent.take_parts(self._daemon_agent, ch.last_request_id):
+            parts = self.agent.take_parts(self._daemon_agent, ch.last_request_id)
+            for item, offset, length in parts:
                 if item < len(items):
                     arriving.arrived(items[item], offset, length)
+            return bool(parts)
 
         arriving.transfer_open = True  # until the reply: the daemon sends it once every WRITE is done
         try:
             reply = ch.exchange(m.NixlGet(0, tuple(keys), self.agent.name, tuple(descriptors), ns_id, True, extents),
-                                while_waiting=take_parts, poll_s=self._poll_s)
+                                while_waiting=take_parts, wait_max_s=self._wait_max_s)
         except p.RemoteError as exc:
             self._count(refused=1)
             arriving.transfer_open = exc.code != p.ErrorCode.BAD_REQUEST  # BAD_REQUEST: refused before any WRITE
@@ -478,31 +481,33 @@ class NixlTransport:
         self._count(requests=1)
         written = [(items[j], n) for j, n in enumerate(reply.lengths) if n and n != DEFERRED_LENGTH]
         deadline = time.monotonic() + NOTIFICATION_TIMEOUT_S
+        backoff = Backoff(WAIT_FIRST_S, self._wait_max_s)
         while True:
-            take_parts()
+            if take_parts():
+                backoff.reset()
             if all(arriving.covered(i, n) for i, n in written):
                 return reply.lengths
             if time.monotonic() > deadline:
                 self._count(notification_timeouts=1)
                 raise NixlFetchFailed(f"the NIXL notifications of request {ch.last_request_id} did not cover its "
                                       f"blocks within {NOTIFICATION_TIMEOUT_S} s (NOTIFICATION_TIMEOUT_S)")
-            os.sched_yield()
+            backoff.sleep(deadline)
 
     def _settle(self, ch: ControlChannel, arriving: ArrivingBlocks, take_parts) -> None:
         """End a scatter NIXL_GET that got no reply on ``ch``: wait for the daemon to end it, progressing
         the agent meanwhile (a WRITE over TCP moves only so), and count how that went."""
-        def progress() -> None:
+        def progress() -> bool:
             nonlocal progressing
             if progressing:
                 try:
-                    take_parts()
+                    return take_parts()
                 except NixlFetchFailed as exc:  # the daemon's WRITE then times out, and it ends the request
                     progressing = False
                     log.warning("event=nixl_settle_progress_failed daemon=%s:%d error=%s", self._host, self._port, exc)
 
         progressing = True
         started = time.monotonic()
-        end = ch.settle(SETTLE_TIMEOUT_S, progress, self._poll_s)
+        end = ch.settle(SETTLE_TIMEOUT_S, progress, self._wait_max_s)
         if end is None:
             self._scatter_unsettled(ch, arriving,
                                     f"the daemon did not end it within {SETTLE_TIMEOUT_S} s (SETTLE_TIMEOUT_S)")
@@ -560,7 +565,7 @@ class NixlTransport:
         extents = frame.resolved(buffer_address(staging) if staging is not None else 0)
         try:
             reply = ch.exchange(m.NixlPut(0, tuple(keys), self.agent.name, extents, durable, ns_id),
-                                while_waiting=self.agent.progress, poll_s=self._poll_s)
+                                while_waiting=self.agent.progress, wait_max_s=self._wait_max_s)
         except BaseException as exc:
             if may_have_posted(exc):  # its READ may still be served from these: they stay mapped (nixl_held)
                 self.agent.held.hold(pieces)

@@ -36,13 +36,18 @@ from typing import Callable
 
 import numpy as np
 
+from kvtier.common.backoff import Backoff
 from kvtier.common.ucx_env import TransportPlan, apply_ucx_environment
 from kvtier.wire.nixl_frames import part_notification
 
 log = logging.getLogger("kvtier.daemon.nixl")
 
 TRANSFER_TIMEOUT_S = 5.0  # a WRITE not DONE by then is abandoned (a dead or stalled client): 256 MiB at 50 MB/s
-PARKED_POLL_S = 0.002  # how often parked transfers are checked while a request waits for them to end
+# NIXL's transfer states are polled: the first poll after WAIT_FIRST_S, each next twice as late up to
+# WAIT_MAX_S (a WRITE over TCP moves only while we progress: the cap keeps its pace)
+WAIT_FIRST_S = 10e-6
+WAIT_MAX_S = 50e-6
+PARKED_WAIT_MAX_S = 0.005  # parked transfers, checked while a request waits for them to end
 
 
 class NixlUnavailable(RuntimeError):
@@ -204,13 +209,14 @@ class DaemonAgent:
         ended. With ``below``: while that is ``below`` or more, reap again for up to ``settle_s``
         (a client waiting for a reply progresses its agent, which ends what it left in flight)."""
         deadline = time.monotonic() + settle_s
+        backoff = Backoff(WAIT_FIRST_S, PARKED_WAIT_MAX_S)
         while True:
             self.reap_parked()
             with self._lock:
                 held = sum(nbytes for transfer, _, nbytes in self._parked if transfer.peer == peer)
             if below is None or held < below or time.monotonic() >= deadline:
                 return held
-            threading.Event().wait(PARKED_POLL_S)  # NIXL tells nothing: its state is polled
+            backoff.sleep(deadline)
 
     def reap_parked(self) -> None:
         """Release the parked transfers NIXL has ended (no part in flight) and give their sources back."""
@@ -319,6 +325,7 @@ class Transfer:
         the agent's transfer timeout)."""
         deadline = time.monotonic() + self._owner._timeout_s
         pending = list(self._handles)
+        backoff = Backoff(WAIT_FIRST_S, WAIT_MAX_S)
         while pending:
             try:
                 states = [self._agent.check_xfer_state(h) for h in pending]
@@ -330,13 +337,16 @@ class Transfer:
                 self._owner._count(failures=1)
                 raise NixlTransferError(f"NIXL {self.op} {self._direction} {self.peer} failed "
                                         f"(states {sorted(set(states))})")
-            pending = [h for h, state in zip(pending, states) if state == "PROC"]
+            still = [h for h, state in zip(pending, states) if state == "PROC"]
+            if len(still) < len(pending):
+                backoff.reset()
+            pending = still
             if pending:
                 if time.monotonic() > deadline:
                     self._owner._count(timeouts=1)
                     raise NixlTransferError(f"NIXL {self.op} {self._direction} {self.peer} not done within "
                                             f"{self._owner._timeout_s} s (TRANSFER_TIMEOUT_S)", timed_out=True)
-                os.sched_yield()  # a busy machine: let the peer (and its progress) run between polls
+                backoff.sleep(deadline)
         self._done = True
         if self._handles:
             self._owner._count(self.op, transfers=1, nbytes=self._bytes)
