@@ -20,7 +20,7 @@ import torch
 
 from cdn_trace import Request, edge_of_user, render, tokenize
 from kvtier.client.kvcache import KVCache
-from kvtier.client.normalize import COMMON_MARKER_PATTERNS, NormalizeConfig, Normalizer
+from prompt_normalize import COMMON_MARKER_PATTERNS, NormalizeConfig, Normalizer
 from kvtier.common.keys import KVLayout, Namespace
 
 # 2 layers x (K, V) x 1 KV head x 16 tokens x head_dim 16 x fp16 = 2 KiB of raw KV per block

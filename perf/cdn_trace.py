@@ -8,7 +8,7 @@ that turns them into tokens. Pure: no I/O, deterministic for a seed.
 
 The versions of one system prompt differ only in layout and markers (line endings,
 trailing spaces, a ``Version:`` line, a ``Last updated:`` date line, an HTML version
-comment), which is what ``kvtier.client.normalize`` with ``COMMON_MARKER_PATTERNS``
+comment), which is what ``prompt_normalize`` with ``COMMON_MARKER_PATTERNS``
 removes: normalized, every version of a prompt is one text, and one chain of keys.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ from bench_cdn import run_once  # noqa: E402
 from cdn_cluster import DEVICE_ARGS, REGION_TOKEN, PreplaceSettings, preplace_push, start_cdn  # noqa: E402
 from cdn_replay import EdgeTally, note_second_requests, prompt_tokens, replay  # noqa: E402
 from cdn_trace import VERSIONS, TraceConfig, build_trace, edge_of_user, tokenize  # noqa: E402
-from kvtier.client.normalize import COMMON_MARKER_PATTERNS, NormalizeConfig, Normalizer  # noqa: E402
+from prompt_normalize import COMMON_MARKER_PATTERNS, NormalizeConfig, Normalizer  # noqa: E402
 
 TINY = TraceConfig(requests=30, apps=1, documents=2, users=6, seed=3)
 

@@ -1,4 +1,4 @@
-"""Prompt normalization (kvtier.client.normalize): each rule, idempotence, the property
+"""Prompt normalization (perf/prompt_normalize.py, used by the CDN replay): each rule, idempotence, the property
 that prompts with different content never merge, and that layout-only variants of a
 system prompt get the same block keys."""
 from __future__ import annotations
@@ -7,13 +7,16 @@ import random
 import sys
 import threading
 import unicodedata
+from pathlib import Path
 
 import pytest
 
-from kvtier.client.normalize import (COMMON_MARKER_PATTERNS, LINE_WHITESPACE, MARKER_PATTERNS_MAX, TEXT_CHARS_MAX,
-                                     UNICODE_SPACE_SEPARATORS, NormalizeConfig, Normalizer)
-from kvtier.client.prompt_registry import REGISTERED_PROMPTS_MAX, CanonicalPromptRegistry, prompt_digest
-from kvtier.common.keys import KVLayout, Namespace, chain_keys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+
+from kvtier.common.keys import KVLayout, Namespace, chain_keys  # noqa: E402
+from prompt_normalize import (COMMON_MARKER_PATTERNS, LINE_WHITESPACE, MARKER_PATTERNS_MAX,  # noqa: E402
+                              TEXT_CHARS_MAX, UNICODE_SPACE_SEPARATORS, NormalizeConfig, Normalizer)
+from prompt_registry import REGISTERED_PROMPTS_MAX, CanonicalPromptRegistry, prompt_digest  # noqa: E402
 
 MARKERS = NormalizeConfig(marker_patterns=COMMON_MARKER_PATTERNS)
 
@@ -221,7 +224,7 @@ def test_registry_confirms_the_text_behind_a_digest_and_has_a_size_limit(monkeyp
     registry._variants[prompt_digest("impostor")] = ("variant", cid)
     assert registry.canonical_of("impostor") is None
     assert registry.canonical_of("variant") == (cid, "canonical")
-    monkeypatch.setattr("kvtier.client.prompt_registry.REGISTERED_PROMPTS_MAX", len(registry))
+    monkeypatch.setattr("prompt_registry.REGISTERED_PROMPTS_MAX", len(registry))
     with pytest.raises(ValueError, match="registry is full"):
         registry.add_canonical("one more")
     assert REGISTERED_PROMPTS_MAX > 1000

@@ -44,7 +44,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .prompt_registry import CanonicalPromptRegistry, prompt_digest
+from prompt_registry import CanonicalPromptRegistry, prompt_digest
 
 TEXT_CHARS_MAX = 16 * 2**20  # about 4 M tokens, beyond any context window: bounds the work per message
 MARKER_PATTERNS_MAX = 64  # each pattern is a pass over every system prompt

@@ -11,7 +11,7 @@ canonical text only when one of them was registered as a variant of it by its ex
     canonical id               --> canonical text
 
 This module holds bookkeeping only: it takes texts that the caller has normalized
-(:class:`kvtier.client.normalize.Normalizer` does that before it registers or looks up).
+(:class:`prompt_normalize.Normalizer` does that before it registers or looks up).
 """
 from __future__ import annotations
 
