@@ -129,6 +129,7 @@ def test_etcd_killed_while_running_the_daemon_serves_and_comes_back(etcd, tmp_pa
         d.stop()
 
 
+@pytest.mark.slow
 def test_etcd_back_without_the_lease_the_daemon_re_registers(tmp_path):
     reason = etcd_missing_reason()
     if reason:
@@ -150,6 +151,7 @@ def test_etcd_back_without_the_lease_the_daemon_re_registers(tmp_path):
             second.stop()
 
 
+@pytest.mark.slow
 def test_a_client_view_follows_an_etcd_that_came_back_without_its_data(tmp_path):
     """etcd restarted empty: its revisions start again below the ones the client saw. The view
     takes the members the daemons register anew, follows later joins, and its version grows."""

@@ -362,6 +362,7 @@ def test_edge_restarted_while_warming(region, tmp_path):
         edge.stop()
 
 
+@pytest.mark.slow
 def test_etcd_upstream_asks_each_key_of_its_rendezvous_owner(tmp_path):
     from cluster_fixtures import members_of, start_member
     from etcd_server import EtcdServer, etcd_missing_reason

@@ -34,6 +34,8 @@ TIMEOUT_MS = 1000  # the edge's --upstream-timeout-ms: time for a hung owner's s
 PAYLOAD_BYTES = 8 * 1024
 KEYS_TRIED_MAX = 10_000  # random keys drawn to find enough with a wanted placement (1 in 3 or better)
 
+pytestmark = pytest.mark.slow  # a real etcd behind the replicated region
+
 
 @dataclass
 class Region:
