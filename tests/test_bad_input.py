@@ -75,12 +75,12 @@ def frame(op, rid=1, count=0, meta=b"", payload=b"", flags=0, version=p.PROTOCOL
 
 
 @pytest.mark.parametrize("wire, code, fragment", [
-    (os.urandom(16) + b"garbage" * 10, p.ErrorCode.BAD_FRAME, "magic"),
+    (bytes(range(200, 216)) + b"garbage" * 10, p.ErrorCode.BAD_FRAME, "magic"),
     (frame(p.Op.PING, magic=b"HTTP"), p.ErrorCode.BAD_FRAME, "magic"),
     (frame(p.Op.PING, version=7), p.ErrorCode.BAD_VERSION, "version 7"),
     (f.pack_header(p.Op.PUT, 0, 1, 1, p.META_BYTES_MAX + 1, 0), p.ErrorCode.LIMIT, "meta section"),
     (f.pack_header(p.Op.PUT, 0, 1, 1, 20, 2**32 - 1), p.ErrorCode.LIMIT, "payload of 4294967295"),
-])
+], ids=["no-magic", "http", "version-7", "meta-too-large", "payload-too-large"])
 def test_broken_framing_gets_an_error_frame_and_a_close(daemon, wire, code, fragment):
     with raw(daemon) as s:
         s.sendall(wire)
