@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DATA_DIR ?= ./data
 
-.PHONY: run test lint test-engines perf clean-venv cluster nixl soak
+.PHONY: run test test-slow test-all lint test-engines perf clean-venv cluster nixl soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,16 @@ nixl: $(VENV)/.nixl-deps
 run: $(VENV)/.run-deps
 	$(VENV)/bin/kvtierd --data-dir $(DATA_DIR)
 
+# `make test`: every test but the slow ones (etcd clusters, network namespaces, NIXL timeouts waited
+# out, crash states walked one by one), on TEST_WORKERS processes; `make test-all` (CI) runs those too
+TEST_WORKERS ?= 2
 test: $(VENV)/.test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+
+test-slow: $(VENV)/.test-deps
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m slow
+
+test-all: test test-slow
 
 # the store under abuse: the engine model with many sequences, then SOAK_CYCLES kill -9 cycles of a
 # daemon under four writers with pins, soft pins, deletes (perf/soak.py; every count it prints must be 0)

@@ -445,6 +445,7 @@ def one_device_store(regions=5, eviction="fifo", region=REGION, **kw):
     return Engine.open(cfg, devices=devs), cfg, devs
 
 
+@pytest.mark.slow  # walks every crash state
 def test_every_crash_state_of_an_in_place_reclaim_after_a_restart_keeps_its_pinned_block():
     """The victim's header and its summary pages must not be in flight together: a crash could
     land the summary (a zeroed trailer) alone, and recovery would scan the old header's region as
@@ -497,6 +498,7 @@ def test_every_crash_state_of_reusing_a_region_keeps_its_deleted_blocks_deleted(
 
 
 @pytest.mark.parametrize("delete", [True, False], ids=["durable entries", "seal only"])
+@pytest.mark.slow  # walks every crash state
 def test_every_crash_state_of_a_reused_regions_first_writes_keeps_its_deleted_blocks_deleted(delete):
     """The new header of a reused region is not synced when written (buffered puts never sync):
     until it is, neither summary entries made durable (a delete) nor the seal's summary and trailer
@@ -706,6 +708,7 @@ def test_a_forced_format_over_an_unreadable_or_partial_old_store_starts_far_abov
 
 @pytest.mark.parametrize("pinned_in_victim", [None, 22, 20], ids=["records into the open region", "in place",
                                                                   "staged"])
+@pytest.mark.slow  # walks every crash state
 def test_every_crash_state_of_a_reclaim_keeps_pinned_blocks_and_carried_records(pinned_in_victim):
     """As the test above, but a crash may land any subset of the writes not yet synced."""
     engine, cfg, devs = reclaim_scenario(pinned_in_victim, wrap=WriteLog)

@@ -31,6 +31,7 @@ def daemon(tmp_path):
     assert d.stop() == 0, d.log_tail()
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_the_memory_of_a_put_read_given_up_on_stays_mapped_until_that_read_is_served(daemon):
     warm_keys, _, warm = put_blocks(daemon.data_addr, 1, 10_000, seed=0x61)
     key = bytes([0x62]) * 16

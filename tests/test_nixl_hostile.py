@@ -294,6 +294,7 @@ def test_a_client_that_dies_mid_transfer_leaves_the_daemon_serving(daemon, store
     assert nixl["writes"] >= 1 and nixl["transport"] == "sm"
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_transfer_that_never_completes_times_out(tmp_path, stored):
     d = start_nixl_daemon(tmp_path / "kvtierd", "--nixl-tls", "self,tcp")  # a stopped peer stalls a TCP WRITE
     child = None

@@ -95,6 +95,7 @@ class Victim(threading.Thread):
             self.failure = f"{type(exc).__name__}: {exc}"
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_token_holder_reads_no_other_tenants_bytes_and_writes_no_daemon_memory(daemon):
     with BlockClient(daemon.data_addr) as client:  # the attacker's own block: its kick is a legitimate NIXL_GET
         client.put_many([(ATTACKER_KEY, encode_block(ATTACKER_KEY, ATTACKER_NS, 0, os.urandom(1 << 20)))],

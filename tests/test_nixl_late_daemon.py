@@ -53,6 +53,7 @@ def _landing(region: bytearray) -> Landing:
     return Landing(HEADER_SIZE, lambda _i, _g: [memoryview(region)], memoryview(region))
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_get_read_after_its_client_shut_down_its_side_writes_nothing(daemon):
     keys, blocks, locations = put_blocks(daemon.data_addr, 1, SCATTER_PAYLOAD_BYTES, seed=81)
     lengths, seqs = [loc.length for loc in locations], [loc.seq for loc in locations]
@@ -82,6 +83,7 @@ def test_a_get_read_after_its_client_shut_down_its_side_writes_nothing(daemon):
         transport.close()
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_source_buffer_of_a_write_given_up_on_is_not_reused_while_nixl_may_still_read_it(daemon, monkeypatch):
     """Over TCP a WRITE the daemon released after its timeout still moves at the next progress of both
     agents, read from its source then: that source must still hold the first block, not the next

@@ -70,6 +70,7 @@ def _drain(transport: NixlTransport, keys, lengths, seqs) -> None:
         threading.Event().wait(POLL_S)
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_the_late_bytes_of_a_put_read_given_up_on_never_land_in_a_block_stored_since(daemon, monkeypatch):
     small_keys, _, small = put_blocks(daemon.data_addr, 1, 10_000, seed=91)
     lengths, seqs = [small[0].length], [small[0].seq]
@@ -110,6 +111,7 @@ def test_the_late_bytes_of_a_put_read_given_up_on_never_land_in_a_block_stored_s
         assert client.get(bytes([0x92]) * 16) is None and client.get(bytes([0x93]) * 16) is None  # the PUT that failed
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_put_read_given_up_on_keeps_its_request_buffer_until_nixl_ends_it(daemon, monkeypatch):
     """The request buffer (an arena) a READ given up on may still land in stays lent until NIXL ends it."""
     small_keys, _, small = put_blocks(daemon.data_addr, 1, 10_000, seed=94)
@@ -143,6 +145,7 @@ def _wait_for(addr: str, field: str, value: int) -> dict:
     return stats
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_buffers_held_for_stopped_clients_are_given_back_when_those_clients_die(daemon):
     """Each client stopped mid NIXL_PUT holds its request buffer; others are served meanwhile; a client
     that dies ends its READ, and the buffer goes back to the pool."""

@@ -63,6 +63,7 @@ def _wait_served(daemon, transport: NixlTransport, served: int) -> None:
         threading.Event().wait(POLL_S / 10)
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_late_write_of_an_abandoned_scatter_get_never_reaches_the_callers_memory(daemon):
     keys, blocks, locations = put_blocks(daemon.data_addr, 1, PAYLOAD_BYTES, seed=71)
     lengths, seqs = [loc.length for loc in locations], [loc.seq for loc in locations]
@@ -90,6 +91,7 @@ def test_a_late_write_of_an_abandoned_scatter_get_never_reaches_the_callers_memo
         transport.close()
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_daemon_that_stays_stopped_past_the_settle_bound_is_counted_and_the_load_returns(daemon, monkeypatch):
     monkeypatch.setattr(nixl_transport, "SETTLE_TIMEOUT_S", 0.5)
     keys, _, locations = put_blocks(daemon.data_addr, 1, 100_000, seed=72)
@@ -114,6 +116,7 @@ def test_a_daemon_that_stays_stopped_past_the_settle_bound_is_counted_and_the_lo
         transport.close()
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_write_the_daemon_gave_up_on_is_counted_unsettled(daemon, monkeypatch):
     """The daemon answers TIMEOUT once a WRITE is not done within its TRANSFER_TIMEOUT_S (here: nothing
     progresses our agent) and releases it; NIXL's release does not cancel it (over TCP its bytes land
@@ -150,6 +153,7 @@ def test_a_scatter_get_answered_in_time_is_not_settled(daemon):
         transport.close()
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_pooled_output_an_unsettled_scatter_wrote_into_is_never_handed_out_again(daemon, monkeypatch):
     """The daemon stays stopped past the settle bound, so the load returns while its WRITE is still to
     come; the pooled output it scattered into is dropped by the caller. The pool never hands that

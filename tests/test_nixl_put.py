@@ -364,6 +364,7 @@ def test_a_client_that_dies_mid_put_leaves_nothing_half_stored(daemon):
     assert daemon.alive() and _still_stores(daemon.data_addr, 0x82)
 
 
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_put_whose_read_never_completes_times_out_and_stores_nothing(tmp_path):
     d = start_nixl_daemon(tmp_path / "kvtierd", "--nixl-tls", "self,tcp")  # a stopped peer stalls a TCP READ
     child = None

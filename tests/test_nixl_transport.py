@@ -254,6 +254,7 @@ def test_a_silent_daemon_fails_the_setup_within_its_timeout():
 
 
 @pytest.mark.parametrize("transport", ["auto", "nixl"])
+@pytest.mark.slow  # waits out a NIXL timeout or bound
 def test_a_stopped_daemon_stalls_neither_kvcache_nor_its_loads(tmp_path, monkeypatch, transport):
     """The daemon frozen (SIGSTOP) while a cache opens: the cache opens at once (``nixl``: within
     the setup timeout, not refused), the setup times out and is counted, the loads after the
