@@ -163,9 +163,9 @@ def test_a_durable_put_answered_while_a_spanning_batch_waits_survives_that_batch
 
 
 def test_a_batch_that_fails_after_crossing_into_a_new_region_leaves_nothing_of_it_there():
-    """A batch that filled one region and went on in the next fails there (a device error);
-    what it placed in the new region is neither indexed nor found by a restart, and what it
-    placed before the crossing (sealed, seen by others while the lock was let go) stays."""
+    """A batch larger than a region filled one region and went on in the next, and fails there
+    (a device error): what it placed in the new region is neither indexed nor found by a restart,
+    and what it committed before the crossing (seen by others while the lock was let go) stays."""
     engine, cfg, devs = mem_engine(regions=6)
     fill(engine, range(4))  # the open region has room for one more block
     take, taken = engine._seqs.take, []
@@ -177,12 +177,12 @@ def test_a_batch_that_fails_after_crossing_into_a_new_region_leaves_nothing_of_i
         return take()
 
     engine._seqs.take = take_or_fail
-    with pytest.raises(DeviceError):  # block 3 is present: no reservation, the copying path
-        engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in (3, 10, 11, 12, 13)])
+    with pytest.raises(DeviceError):  # block 3 is present; 10 fills the open region, 11-15 the next, 16 a third
+        engine.put_many([block(i, PAYLOAD_5_PER_REGION) for i in (3, *range(10, 17))])
     engine._seqs.take = take
     assert engine.failure is None
-    assert present(engine, range(10, 14)) == [10]
+    assert present(engine, range(10, 17)) == [10]
     engine.flush()
     restarted = Engine.open(cfg, devices=devs)
-    assert present(restarted, range(10, 14)) == [10]
+    assert present(restarted, range(10, 17)) == [10]
     restarted.close()

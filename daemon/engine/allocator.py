@@ -20,7 +20,7 @@ durability write is reading from outside the lock is pinned (``OpenRegion.io_pin
 not reset until that write is done.
 
 A PUT received in place holds a reservation of the open image (:attr:`Allocator.reservation`,
-at most one, see :mod:`.put_reservations`); until it is committed or aborted the open image
+at most one, see :mod:`.puts`); until it is committed or aborted the open image
 takes no other append and is not sealed: every other writer first waits for it
 (:meth:`Allocator.wait_unreserved`, which lets go of the lock while it waits).
 """
@@ -79,7 +79,7 @@ class Allocator:
         # blocks, no writer's blocks, until the worker has reclaimed a region back into the pool (RegionManager)
         self.held_region: int | None = None
         self.give_back_clean: Callable[[int], None] | None = None
-        self.reservation = None  # the PUT being received into the open image (put_reservations.Reservation)
+        self.reservation = None  # the PUT being received into the open image (puts.Reservation)
         self._unreserved = threading.Condition(lock)  # notified when the reservation is committed or aborted
         self._rolling: dict[tuple[int, int], int] = {}  # (region, base_seq) -> writers waiting to roll over from it
 

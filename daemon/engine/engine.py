@@ -36,7 +36,6 @@ import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import asdict
 from typing import Callable, Iterable, Sequence
 
@@ -49,7 +48,6 @@ from kvtier.common.stripe import StripeGeometry
 from . import regionfmt as fmt
 from .allocator import Allocator
 from .block_events import BlockListener
-from .buffers import copy_bytes
 from .blockmap import BlockMap
 from .config import EngineConfig
 from .devices import Device
@@ -60,7 +58,7 @@ from .get_driver import GetDriver
 from .index import PINNED_BIT
 from .locations import LOCATION_DTYPE, BlockLocation
 from .pins_and_deletes import PinsAndDeletes
-from .put_reservations import InPlacePuts, Reservation
+from .puts import Puts, Reservation
 from .raid0 import StripedArray
 from .reader import BlockReader
 from .rebuild import rebuild
@@ -69,7 +67,6 @@ from .regions import RegionTable
 from .reinsertion import make_reinsertion
 from .seqs import SeqCounter
 from .statistics import EngineCounters, EngineStatistics
-from .take_back import appends_or_nothing, forget_new_keys, take_back_failed_commit
 from .store import StoreLayout, format_store, open_devices, read_superblocks, validate_store, write_generation
 
 log = logging.getLogger("kvtier.daemon.engine")
@@ -173,9 +170,8 @@ class Engine:
                                                 cfg.pinned_fraction_max, self._regions.data_regions)
         self._regions.soft_pins = self._pins_and_deletes.soft  # reclaim moves soft-pinned blocks
         self._regions.on_bug = self.fail
-        self._in_place = InPlacePuts(self._blocks, self._allocator, self._durability, self._lock, self._seqs,
-                                     self._counters, self._check_open, lambda: self.block_size_max_bytes, size,
-                                     self.put_many, self._commit_or_take_back)
+        self._puts = Puts(self._blocks, self._allocator, self._durability, self._lock, self._seqs, self._counters,
+                          self._check_open, lambda: self.block_size_max_bytes, size, self.fail)
 
     @property
     def geometry(self) -> StripeGeometry:
@@ -209,128 +205,22 @@ class Engine:
                                   f"{self.block_size_max_bytes} bytes (region_size_bytes={self._region_size})")
             views.append(view)
             headers.append(header)
-        if not views:
-            return []
-        copied = None if skip_deleted else self._put_copied_in_place(views, headers, durable)
-        if copied is not None:
-            return copied
-        k0s, k1s = fmt.keys_to_halves([h.key for h in headers])
-        seqs: list[int] = [0] * len(views)
-        allocator = self._allocator
-        allocator.await_seal_for(sum(v.nbytes for v in views), len(views))
-        with self._lock, ExitStack() as on_error:
-            self._check_open()
-            allocator.wait_unreserved()
-            slots = self._index.find_many(k0s, k1s).tolist()
-            kept = np.zeros(len(views), bool)  # placed before a crossing into a new region: not taken back
-            taking_back = on_error.enter_context(self._put_or_nothing(k0s, k1s, slots, kept))
-            k0l, k1l = k0s.tolist(), k1s.tolist()
-            pending: list[tuple] = []  # index inserts, done in one vectorized batch per region
-            placed: list[tuple] = []  # (k0, k1, addr, seq) of the blocks appended, for a durable batch
-            first_of: dict[tuple[int, int], int] = {}  # keys of this batch appended but not yet in the index
-            for i, (view, header) in enumerate(zip(views, headers)):
-                if slots[i] >= 0:
-                    seqs[i] = self._blocks.seq_of(slots[i])
-                    continue
-                if (k0l[i], k1l[i]) in first_of:  # the same key twice in one batch
-                    seqs[i] = seqs[first_of[(k0l[i], k1l[i])]]
-                    continue
-                if skip_deleted and self._blocks.deleted.contains(k0l[i], k1l[i]):
-                    self._counters.puts_skipped_deleted += 1
-                    continue
-                if not allocator.appendable(view.nbytes):
-                    if pending:  # sealed: a commit in ensure_room's wait (no lock) may sync them past a take-back
-                        allocator.seal(wait=False)
-                    self._blocks.insert_appended(pending)
-                    kept[list(first_of.values())] = True
-                    first_of.clear()
-                    allocator.ensure_room(view.nbytes)
-                    taking_back.remark()
-                    # a reclaim may have evicted or moved blocks and rehashed the index: find the rest again
-                    slots[i:] = self._index.find_many(k0s[i:], k1s[i:]).tolist()
-                    if slots[i] >= 0:
-                        seqs[i] = self._blocks.seq_of(slots[i])
-                        continue
-                first_of[(k0l[i], k1l[i])] = i
-                seq = self._seqs.take()
-                image = allocator.open
-                offset = image.append_block(view, seq, k0l[i], k1l[i], header.ns_id, 0)
-                pending.append((k0l[i], k1l[i], image.region * self._region_size + offset, view.nbytes,
-                                seq - image.base_seq))
-                if durable:
-                    placed.append((k0l[i], k1l[i], image.region * self._region_size + offset, seq))
-                self._table.last_seq[image.region] = seq
-                self._table.add_block(image.region, view.nbytes, False)
-                seqs[i] = seq
-                self._counters.puts += 1
-                self._counters.put_bytes += view.nbytes
-            self._blocks.insert_appended(pending)
-            allocator.reap_seal(wait=False)
-        if durable:
-            self._commit_or_take_back(placed)
-        return seqs
+        return self._puts.put_many(views, headers, durable, skip_deleted) if views else []
 
-    def _put_copied_in_place(self, views: list[memoryview], headers: list, durable: bool) -> list[int] | None:
-        """:meth:`put_many` by a reservation: the blocks are copied into the open region without the
-        lock (readers and LOOKUPs never wait behind a copy), then committed; None where a reservation
-        cannot be had (a key present or repeated, another in flight for too long): the caller copies
-        under the lock instead."""
-        reservation = self._in_place.reserve([h.key for h in headers], [v.nbytes for v in views], new_region=True,
-                                             room_errors=True)
-        if reservation is None:
-            return None
-        try:
-            pos = 0
-            for view in views:
-                copy_bytes(reservation.view[pos:pos + view.nbytes], view)
-                pos += view.nbytes
-        except BaseException:
-            self._in_place.abort(reservation)
-            raise
-        return self._in_place.commit(reservation, durable, headers=headers)
-
-    def _commit_or_take_back(self, placed: list[tuple]) -> None:
-        """Group commit, without the lock (it syncs every device after a seal). If it fails, the
-        batch's blocks leave the index and get tombstones (take_back.take_back_failed_commit), and
-        the error is raised; if even that fails (no room for a tombstone), the engine fails closed."""
-        try:
-            self._durability.commit()
-        except DeviceError:
-            if placed:
-                with self._lock:
-                    try:
-                        take_back_failed_commit(self._blocks, self._allocator, self._durability, placed,
-                                                self._region_size)
-                    except EngineError as exc:
-                        self.fail(f"the blocks of a failed durable commit could not be tombstoned ({exc})")
-                        raise
-                try:
-                    self._durability.commit(with_entries=True)  # their tombstones, without the lock
-                except DeviceError:
-                    pass  # failed again (counted): every later commit writes them
-            raise
-
-    def _put_or_nothing(self, k0s: np.ndarray, k1s: np.ndarray, slots: list[int], kept: np.ndarray):
-        """Taking back a PUT batch that raises (take_back): its blocks leave the index and the open
-        image, but for those ``kept`` (placed before it crossed into a new region)."""
-        undo = forget_new_keys(self._blocks, k0s, k1s, slots, kept)
-        return appends_or_nothing(self._allocator, self._table, self._region_size, self._durability.cover,
-                                  undo)
-
-    # -- put received in place (put_reservations.InPlacePuts) --------------------
+    # -- a PUT received in place: its payload lands in a reservation (puts.Puts) -----
     @fails_closed
     def reserve_put(self, keys: Sequence, lengths: Sequence[int], new_region: bool = True) -> Reservation | None:
         """Room in the open region to receive blocks into (``reservation.view``), then
         :meth:`commit_put` or :meth:`abort_put`; None: use :meth:`put_many`."""
-        return self._in_place.reserve(keys, lengths, new_region)
+        return self._puts.reserve(keys, lengths, new_region)
 
     @fails_closed
     def commit_put(self, reservation: Reservation, durable: bool = False) -> list[int]:
-        return self._in_place.commit(reservation, durable)
+        return self._puts.commit(reservation, durable)
 
     @fails_closed
     def abort_put(self, reservation: Reservation) -> None:
-        self._in_place.abort(reservation)
+        self._puts.abort(reservation)
 
     # -- get: one driver (get_driver.GetDriver) behind every form ---------------
     def get(self, key) -> bytes | None:

@@ -9,7 +9,7 @@ seal -- so the image is always exactly what the region will hold::
     | header | block | block | ...   |    free      | entries (rev) | trailer |
     |<- durable_end: prefix already on flash ->|
 
-A PUT received in place (:mod:`.put_reservations`) holds ``pending_bytes`` from
+A PUT received in place (:mod:`.puts`) holds ``pending_bytes`` from
 ``data_end`` (and room for ``pending_entries`` summary entries) while its payload
 arrives: not data yet, so nothing written to flash or sealed covers it until it is
 placed (:meth:`OpenRegion.place_block`).
@@ -142,7 +142,7 @@ class OpenRegion:
 
     def flash_copy(self, start: int, end: int) -> memoryview:
         """A copy of ``[start, end)`` to write to flash, its free room (past ``data_end``, before the
-        summary entries) zeroed: a PUT being received there (:mod:`.put_reservations`) never
+        summary entries) zeroed: a PUT being received there (:mod:`.puts`) never
         reaches flash before its commit, by the page a prefix ends in or the one entries begin in."""
         page = aligned_buffer(end - start)
         page[:] = self.buffer[start:end]

@@ -10,11 +10,9 @@ pages once more so that what a failed write may have left on flash is covered to
 changes are the caller's: they come after the appends succeeded, or are undone by the
 ``undo`` callback.
 
-What is not taken back: what a PUT batch that spans regions placed before it crossed into
-a new region. That part is sealed, and indexed before the lock was let go to wait for
-room, so other clients may have seen it: a LOOKUP that skipped its own store, a durable
-PUT of the same key answered from it. A failure after the crossing takes back only what
-was placed since (:meth:`appends_or_nothing.remark`).
+What is not taken back: what a PUT batch that spans reservations committed before the one
+that failed (:mod:`.puts`). That part is indexed, so other clients may have seen it: a LOOKUP
+that skipped its own store, a durable PUT of the same key answered from it.
 
 A durable PUT whose group commit fails (:func:`take_back_failed_commit`) cannot be zeroed
 either: the commit ran without the lock, other writers' blocks may share its pages and follow
@@ -69,12 +67,6 @@ class appends_or_nothing:  # noqa: N801 (used as a context manager, like context
         self._take_mark()
         return self
 
-    def remark(self) -> None:
-        """The request crossed into a new open region: what it appended before stays, a failure
-        from here takes back what it appends from here."""
-        self._image = self._allocator.open if self._allocator.active else None
-        self._take_mark()
-
     def _take_mark(self) -> None:
         image = self._image
         if image is not None:
@@ -107,16 +99,11 @@ def _cover(cover: Callable[[list], None], base: int, image, ranges) -> None:
     cover([(base + start, image.flash_copy(start, end)) for start, end in ranges])
 
 
-def forget_new_keys(blocks: BlockMap, k0s: np.ndarray, k1s: np.ndarray, slots_before,
-                    kept: np.ndarray | None = None) -> Callable[[], None]:
-    """An ``undo`` for a PUT batch: drop from the index the batch's keys that were absent when it
-    started (``slots_before`` < 0; under the same lock hold, nobody else stored them meanwhile),
-    but not those ``kept`` marks at the time of the undo (placed before a crossing into a new region)."""
+def forget_new_keys(blocks: BlockMap, k0s: np.ndarray, k1s: np.ndarray) -> Callable[[], None]:
+    """An ``undo`` for a PUT's commit: drop its keys from the index (all were absent when it was
+    reserved, and no other writer stores a key while a reservation is in flight)."""
     def undo() -> None:
-        absent = np.asarray(slots_before) < 0
-        if kept is not None:
-            absent &= ~kept
-        slots = blocks.index.find_many(k0s[absent], k1s[absent])
+        slots = blocks.index.find_many(k0s, k1s)
         blocks.forget(np.unique(slots[slots >= 0]))
     return undo
 

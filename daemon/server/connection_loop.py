@@ -13,7 +13,7 @@ so unauthenticated peers cost neither memory nor, for long, a connection slot.
 An authenticated connection that sits idle between requests for
 ``idle_timeout_s`` is told so (ERROR TIMEOUT, request id 0) and closed.
 A PUT being received into the open region holds it (every other writer waits, see
-``engine.put_reservations``): while it does, its connection may go at most
+``engine.puts``): while it does, its connection may go at most
 RESERVED_PAYLOAD_STALL_S without a byte, not ``frame_timeout_s``, before it is told so and closed.
 A frame must also arrive whole by a deadline (the timeout plus its payload at
 PAYLOAD_RATE_MIN_BYTES_S, or RESERVED_PAYLOAD_RATE_MIN_BYTES_S in the open region): a peer
