@@ -91,7 +91,7 @@ def test_lookup_counts_leading_present_keys(eng):
     assert eng.lookup([]) == 0
 
 
-def test_locate_many_and_get_into(eng):
+def test_locate_many_and_get_many_placed(eng):
     b = block(7, 3000)
     seq = eng.put(b)
     loc = eng.locate_many([key(7), key(8)])
@@ -100,11 +100,11 @@ def test_locate_many_and_get_into(eng):
     eng.flush()
     assert eng.locate_many([key(7)])[0].sealed
     buf = bytearray(len(b) + 10)
-    assert eng.get_into(key(7), buf) == len(b)
+    assert eng.get_many_placed([key(7)], [buf]) == [(0, len(b))]
     assert same_block(bytes(buf[:len(b)]), b)
-    assert eng.get_into(key(8), buf) is None
+    assert eng.get_many_placed([key(8)], [buf]) == [None]
     with pytest.raises(EngineError, match="too small"):
-        eng.get_into(key(7), bytearray(10))
+        eng.get_many_placed([key(7)], [bytearray(10)])
 
 
 def test_block_info(eng):

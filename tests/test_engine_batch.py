@@ -1,5 +1,5 @@
 """The engine's batch paths: vectorized lookup / locate (list and buffer forms) against a
-per-key oracle, get_many_into and the zero-copy get_into, exact LRU touch order of batch reads,
+per-key oracle, get_many_placed into the caller's buffers (zero-copy where aligned), exact LRU touch order of batch reads,
 vectorized pin / unpin / delete bookkeeping."""
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def test_randomized_locate_and_lookup_agree_with_the_oracle():
     engine.close()
 
 
-# -- get_many_into / get_into ---------------------------------------------------
-def test_get_into_an_aligned_buffer_reads_straight_into_it():
+# -- get_many_placed: into the caller's buffers -------------------------------------
+def test_get_many_placed_into_aligned_buffers_reads_straight_into_them():
     engine, _, _ = mem_engine(regions=4)
     sent = {i: page_block(i, 16) for i in range(6)}  # 64 KiB blocks at page-aligned offsets
     engine.put_many(list(sent.values()))
@@ -130,42 +130,42 @@ def test_get_into_an_aligned_buffer_reads_straight_into_it():
     engine._reader._buffers.take = no_pool
     buf = aligned_buffer(16 * PAGE)
     for i, b in sent.items():
-        assert engine.get_into(key(i), buf) == len(b)
+        assert engine.get_many_placed([key(i)], [buf]) == [(0, len(b))]
         assert same_block(bytes(buf[:len(b)]), b)
     bufs = [aligned_buffer(16 * PAGE) for _ in range(4)]
-    assert engine.get_many_into([key(i) for i in (5, 0, 3, 2)], bufs) == [len(sent[i]) for i in (5, 0, 3, 2)]
+    assert engine.get_many_placed([key(i) for i in (5, 0, 3, 2)], bufs) == [(0, len(sent[i])) for i in (5, 0, 3, 2)]
     assert all(same_block(bytes(m), sent[i]) for m, i in zip(bufs, (5, 0, 3, 2)))
     engine._reader._buffers.take = pool_take
     # unaligned or short-of-a-page buffers: the pooled path, one copy, same bytes
     odd = bytearray(16 * PAGE + 1)
-    assert engine.get_into(key(4), memoryview(odd)[1:]) == len(sent[4])
+    assert engine.get_many_placed([key(4)], [memoryview(odd)[1:]]) == [(0, len(sent[4]))]
     assert same_block(bytes(odd[1:1 + len(sent[4])]), sent[4])
     st = engine.statistics()
     assert (st.hits, st.misses, st.get_bytes) == (11, 0, 11 * 16 * PAGE)
     engine.close()
 
 
-def test_get_many_into_mixes_open_region_flash_and_misses(busy):
+def test_get_many_placed_mixes_open_region_flash_and_misses(busy):
     ids = [16, 0, 99, 6, 15, 3]
     bufs = [bytearray(PAYLOAD_5_PER_REGION + HEADER_SIZE) for _ in ids]
-    sizes = busy.get_many_into([key(i) for i in ids], bufs)
+    placed = busy.get_many_placed([key(i) for i in ids], bufs)
     full = PAYLOAD_5_PER_REGION + HEADER_SIZE
-    assert sizes == [full, full, None, full, full, None]
-    for i, b, n in zip(ids, bufs, sizes):
-        if n is not None:
-            assert same_block(bytes(b[:n]), block(i, PAYLOAD_5_PER_REGION))
+    assert placed == [(0, full), (0, full), None, (0, full), (0, full), None]
+    for i, b, where in zip(ids, bufs, placed):
+        if where is not None:
+            assert same_block(bytes(b[:full]), block(i, PAYLOAD_5_PER_REGION))
 
 
-def test_get_many_into_checks_every_buffer_before_reading(busy):
+def test_get_many_placed_checks_every_buffer_before_reading(busy):
     small = bytearray(100)
     before = busy.statistics()
     with pytest.raises(EngineError, match="too small"):
-        busy.get_many_into([key(0), key(1)], [bytearray(300_000), small])
+        busy.get_many_placed([key(0), key(1)], [bytearray(300_000), small])
     with pytest.raises(ValueError, match="buffers"):
-        busy.get_many_into([key(0)], [])
+        busy.get_many_placed([key(0)], [])
     with pytest.raises(ValueError, match="read-only"):
-        busy.get_into(key(0), bytes(300_000))
-    assert busy.get_many_into([key(99)], [small]) == [None]  # a miss needs no room
+        busy.get_many_placed([key(0)], [bytes(300_000)])
+    assert busy.get_many_placed([key(99)], [small]) == [None]  # a miss needs no room
     after = busy.statistics()
     assert (after.hits, after.misses) == (before.hits, before.misses + 1)
 
@@ -263,8 +263,8 @@ def test_a_corrupt_block_read_into_a_callers_buffer_is_a_miss():
     assert dev_off >= DATA_OFFSET_BYTES
     devs[0].data[dev_off] ^= 0xFF
     buf = aligned_buffer(4 * PAGE)
-    assert engine.get_into(key(1), buf) is None
-    assert engine.get_into(key(2), buf) == 4 * PAGE
+    assert engine.get_many_placed([key(1)], [buf]) == [None]
+    assert engine.get_many_placed([key(2)], [buf]) == [(0, 4 * PAGE)]
     st = engine.statistics()
     assert st.corrupt_reads == 1 and engine.lookup([key(1)]) == 0
     engine.close()

@@ -3,17 +3,18 @@ striped array of devices (after CacheLib Navy's block cache).
 
 ::
 
-    put ──verify──> open region image (DRAM) ──seal: one striped write──> sealed region
+    put ──verify──> a reservation in the open region image (DRAM), filled, committed ──seal──> sealed region
                        │ durable put: write the filled prefix + fdatasync
     get ──index──> open image (copy)  |  flash read outside the lock ──verify key, seq, CRCs──> bytes
-    get_into ──index──> flash read straight into the caller's aligned buffer ──verify──> size
+    get_many_placed ──index──> flash read straight into the caller's aligned buffer ──verify──> (offset, size)
     full? ──> seal, take a clean region from the pool that the reclaim worker keeps filled
               (it moves pinned blocks, and hot ones the reinsertion policy picks, out of its victims)
 
 The parts, one module each: :mod:`.allocator` (the open region, its spare image, seal), :mod:`.region_manager`
 (the clean-region pool and its reclaim worker), :mod:`.durability` (group commit: what is synced, in which
-order), :mod:`.get_driver` (every GET), :mod:`.pins_and_deletes`, :mod:`.rebuild` (the index rebuilt at open),
-:mod:`.blockmap` (index and region table), :mod:`.deleted_keys` (what re-replication must not copy back).
+order), :mod:`.puts` (every PUT), :mod:`.get_driver` (every GET and LOOKUP), :mod:`.pins_and_deletes`,
+:mod:`.rebuild` (the index rebuilt at open), :mod:`.blockmap` (index and region table), :mod:`.deleted_keys`
+(what re-replication must not copy back).
 
 Batch calls resolve their keys in one vectorized pass over the index (NumPy); ``lookup_buffer`` /
 ``locate_buffer`` take the keys as one N x 16-byte buffer.
@@ -25,14 +26,13 @@ reclaim fails its key/seq check and is retried once, then counted as a miss).
 
 Durability: ``put(durable=True)`` returns after the block's bytes are on flash and synced (one fdatasync
 acknowledges every durable put waiting on it). Deletes, pins and unpins are durable when they return (their
-summary records are written and synced); soft pins (``pin_many(keys, ttl_s)``) live in memory only. A
-mutating call that raises changed nothing (:mod:`.take_back`); an unexpected exception makes the caller
-:meth:`Engine.fail` it closed. A buffered put is durable at the next seal or ``flush`` (which writes the
-open region's filled part in place) or ``close``.
+summary records are written and synced); soft pins (``pin_many(keys, ttl_s)``) live in memory only. A mutating
+call that raises changed nothing (:mod:`.take_back`); an unexpected exception makes the caller
+:meth:`Engine.fail` it closed (:mod:`.fail_closed`). A buffered put is durable at the next seal or ``flush``
+(which writes the open region's filled part in place) or ``close``.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,8 +41,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvtier.common.aligned import aligned_buffer, align_down, align_up
-from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header, verify_block
+from kvtier.common.blockformat import verify_block
 from kvtier.common.stripe import StripeGeometry
 
 from . import regionfmt as fmt
@@ -52,11 +51,10 @@ from .blockmap import BlockMap
 from .config import EngineConfig
 from .devices import Device
 from .durability import Durability
-from .errors import (BadArgumentError, BlockTooLargeError, DeviceError, EngineBugError, EngineError, EngineFailedError,
-                     GeometryError)
+from .errors import BadArgumentError, BlockTooLargeError, DeviceError, EngineError, EngineFailedError, GeometryError
+from .fail_closed import fails_closed
 from .get_driver import GetDriver
-from .index import PINNED_BIT
-from .locations import LOCATION_DTYPE, BlockLocation
+from .locations import BlockLocation
 from .pins_and_deletes import PinsAndDeletes
 from .puts import Puts, Reservation
 from .raid0 import StripedArray
@@ -70,27 +68,6 @@ from .statistics import EngineCounters, EngineStatistics
 from .store import StoreLayout, format_store, open_devices, read_superblocks, validate_store, write_generation
 
 log = logging.getLogger("kvtier.daemon.engine")
-
-
-def fails_closed(method):
-    """An Engine call whose unexpected exception (not an EngineError, not a malformed block) is a bug
-    in engine state: the engine fails closed and the caller gets EngineBugError naming it."""
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except DeviceError:
-            self._allocator.wait_covers()  # what the failed request wrote is covered before its caller hears
-            raise
-        except (EngineError, BlockFormatError):
-            raise
-        except Exception as exc:
-            reason = f"{type(exc).__name__} in Engine.{method.__name__}: {exc}"
-            log.exception("event=engine_bug call=%s", method.__name__)
-            self.fail(reason)
-            raise EngineBugError(f"internal error: the engine failed closed ({reason}); a restart recovers from "
-                                 f"flash") from exc
-    return guarded
 
 
 class Engine:
@@ -232,31 +209,17 @@ class Engine:
         return self._gets.get(keys)
 
     @fails_closed
-    def get_into(self, key, buf) -> int | None:
-        """Place the verified block in ``buf``; returns its size, or None. A block on flash is read
-        straight into ``buf`` when ``buf`` is page-aligned (an ``aligned_buffer``) and holds the
-        block rounded up to 4 KiB -- one device read and one CRC pass, no copy -- else read into a
-        pooled buffer, verified there and copied once. On a miss, and past the returned size, the
-        contents of ``buf`` are undefined."""
-        return self.get_many_into([key], [buf])[0]
-
-    @fails_closed
-    def get_many_into(self, keys: Sequence, bufs: Sequence) -> list[int | None]:
-        """The batch form of :meth:`get_into`: block i goes to ``bufs[i]`` (writable, distinct).
-        Every buffer is checked for size against the index before any read."""
-        return self._gets.get(keys, bufs, placed=False, verify_payload=True)
-
-    @fails_closed
     def get_many_placed(self, keys: Sequence, bufs: Sequence,
                         verify_payload: bool = True) -> list[tuple[int, int] | None]:
-        """Like :meth:`get_many_into`, but block i may land anywhere in ``bufs[i]``: it comes back
-        as ``(offset, size)``, the block being ``bufs[i][offset:offset + size]``. A block on flash
-        is read straight into a page-aligned buffer that holds its aligned range (its size plus up
-        to 4 KiB either side) whatever its alignment -- one device read, no copy; a smaller
-        buffer needs only the block's size and gets a copy at offset 0. ``verify_payload=False``
-        checks header, key and seq of blocks read from flash but not the payload CRC: for a
-        caller passing the block to a reader that checks it (the daemon's GET)."""
-        return self._gets.get(keys, bufs, placed=True, verify_payload=verify_payload)
+        """The verified block i placed in ``bufs[i]`` (writable, distinct; each checked for size
+        against the index before any read), as ``(offset, size)``: the block is
+        ``bufs[i][offset:offset + size]``, or None (a miss). A block on flash is read straight
+        into a page-aligned buffer that holds its aligned range (its size plus up to 4 KiB either
+        side) whatever its alignment -- one device read, no copy; a smaller buffer needs only the
+        block's size and gets a copy at offset 0. ``verify_payload=False`` checks header, key and
+        seq of blocks read from flash but not the payload CRC: for a caller passing the block to
+        a reader that checks it (the daemon's GET)."""
+        return self._gets.get(keys, bufs, verify_payload=verify_payload)
 
     @fails_closed
     def record_misses(self, count: int) -> None:
@@ -268,31 +231,19 @@ class Engine:
     @fails_closed
     def lookup(self, keys: Sequence) -> int:
         """How many leading keys of a chain are present (one vectorized probe)."""
-        return self._lookup_halves(*fmt.keys_to_halves(keys))
+        return self._gets.lookup(*fmt.keys_to_halves(keys))
 
     @fails_closed
     def lookup_buffer(self, keys_buf) -> int:
         """:meth:`lookup` for N keys given as one contiguous buffer of N x 16 bytes (bytes,
         memoryview, a NumPy array): no per-key Python step at all."""
-        return self._lookup_halves(*fmt.key_buffer_to_halves(keys_buf))
-
-    def _lookup_halves(self, k0: np.ndarray, k1: np.ndarray) -> int:
-        if not len(k0):
-            return 0
-        self._check_open()
-        slots = self._index.find_many_unlocked(k0, k1)  # a LOOKUP never queues behind writers for the lock
-        if slots is None:
-            with self._lock:
-                self._check_open()
-                slots = self._index.find_many(k0, k1)
-        present = slots >= 0
-        return int(len(present) if present.all() else np.argmin(present))
+        return self._gets.lookup(*fmt.key_buffer_to_halves(keys_buf))
 
     @fails_closed
     def locate_many(self, keys: Sequence) -> list[BlockLocation | None]:
         if not len(keys):
             return []
-        rows = self._locate_halves(*fmt.keys_to_halves(keys))
+        rows = self._gets.locate(*fmt.keys_to_halves(keys))
         return [BlockLocation(addr, length, seq, sealed) if ok else None
                 for ok, addr, length, seq, sealed in zip(rows["found"].tolist(), rows["logical_offset"].tolist(),
                                                          rows["length"].tolist(), rows["seq"].tolist(),
@@ -302,20 +253,7 @@ class Engine:
     def locate_buffer(self, keys_buf) -> np.ndarray:
         """:meth:`locate_many` for N keys given as one contiguous buffer of N x 16 bytes: a
         LOCATION_DTYPE array of N rows (``found`` False: absent, the other fields 0)."""
-        return self._locate_halves(*fmt.key_buffer_to_halves(keys_buf))
-
-    def _locate_halves(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-        rows = np.zeros(len(k0), LOCATION_DTYPE)
-        if not len(k0):
-            return rows
-        with self._lock:
-            self._check_open()
-            hit, addr, length, seq, sealed = self._blocks.resolve(k0, k1, self._allocator.image_regions(),
-                                                                  durable_ends=self._allocator.image_durable_ends())
-        for name, column in (("found", True), ("logical_offset", addr), ("length", length), ("seq", seq),
-                             ("sealed", sealed)):
-            rows[name][hit] = column
-        return rows
+        return self._gets.locate(*fmt.key_buffer_to_halves(keys_buf))
 
     # -- delete / pin (pins_and_deletes.PinsAndDeletes) --------------------------
     @fails_closed
@@ -424,35 +362,8 @@ class Engine:
     # -- info / maintenance --------------------------------------------------
     @fails_closed
     def block_info(self, key) -> dict | None:
-        k0, k1 = fmt.key_to_halves(bytes(key))
-        with self._lock:
-            self._check_open()
-            slot = self._index.find(k0, k1)
-            if slot < 0:
-                return None
-            addr, length, seq = int(self._index.addr[slot]), int(self._index.length[slot]), self._blocks.seq_of(slot)
-            region = addr // self._region_size
-            pinned = bool(self._index.meta[slot] & np.uint32(PINNED_BIT))
-            soft_pinned = self._pins_and_deletes.soft.contains((k0, k1))
-            last_access = float(self._table.last_access_s[region])
-            image = self._allocator.image_of(region)
-            in_open = image is not None
-            on_flash = not in_open or addr - region * self._region_size + length <= image.durable_end
-            head = bytes(image.block(addr - region * self._region_size, HEADER_SIZE)) if in_open else None
-        if head is None:
-            start = align_down(addr)
-            buf = aligned_buffer(align_up(addr + HEADER_SIZE) - start)
-            self._array.read(start, buf)
-            head = bytes(buf[addr - start:addr - start + HEADER_SIZE])
-        try:
-            header = decode_header(head)
-        except BlockFormatError:
-            return None
-        if header.key != bytes(key) or header.seq != seq:  # raced a reclaim
-            return None
-        return {"present": True, "size_bytes": length, "codec_id": header.codec_id, "ns_id": header.ns_id.hex(),
-                "region": region, "seq": seq, "pinned": pinned or soft_pinned, "soft_pinned": soft_pinned,
-                "region_last_access": last_access, "sealed": on_flash}
+        """What the index and the block's header say of ``key`` (the admin API's block view), or None."""
+        return self._gets.info(bytes(key), self._pins_and_deletes.soft)
 
     @fails_closed
     def flush(self) -> None:

@@ -1,5 +1,5 @@
-"""The one GET driver behind ``get``, ``get_many``, ``get_into``, ``get_many_into`` and
-``get_many_placed``.
+"""The one GET driver behind ``get``, ``get_many`` and ``get_many_placed``, and the engine's other
+reads of the index: LOOKUP (leading keys present), LOCATE (where blocks lie) and a block's info.
 
 ::
 
@@ -20,11 +20,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 
+from kvtier.common.aligned import align_down, align_up, aligned_buffer
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, decode_header
+
 from . import regionfmt as fmt
 from .allocator import Allocator
 from .blockmap import BlockMap
 from .buffers import copy_bytes
 from .errors import BadArgumentError, EngineError
+from .index import PINNED_BIT
+from .locations import LOCATION_DTYPE
 from .raid0 import StripedArray
 from .reader import BlockReader, ReadFailure
 from .statistics import EngineCounters
@@ -45,10 +50,9 @@ class GetDriver:
         self._check_open = check_open  # raises once the engine is closed
         self._region_size = region_size_bytes
 
-    def get(self, keys: Sequence, bufs: Sequence | None = None, placed: bool = False,
-            verify_payload: bool = True) -> list:
-        """Block i as bytes, or None -- or, with ``bufs``, placed in ``bufs[i]``: its size, or with
-        ``placed`` (offset, size) (see ``Engine.get_many_placed``)."""
+    def get(self, keys: Sequence, bufs: Sequence | None = None, verify_payload: bool = True) -> list:
+        """Block i as bytes, or None -- or, with ``bufs``, placed in ``bufs[i]``: (offset, size)
+        (see ``Engine.get_many_placed``)."""
         if bufs is not None and len(keys) != len(bufs):
             raise BadArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
         keys = [bytes(k) for k in keys]
@@ -59,15 +63,15 @@ class GetDriver:
                 if target.readonly:
                     raise BadArgumentError(f"buffer {i} is read-only")
         results: list = [None] * len(keys)
-        pending = self._serve_or_locate(keys, results, targets, placed)
+        pending = self._serve_or_locate(keys, results, targets)
         for _ in range(READ_RETRIES + 1):
             if not pending:
                 break
-            pending = self._read_sealed(keys, pending, results, targets, placed, verify_payload)
+            pending = self._read_sealed(keys, pending, results, targets, verify_payload)
         if pending:
             self._drop_corrupt(keys, pending)
         got = [r for r in results if r is not None]
-        sizes = [len(r) for r in got] if targets is None else [r[1] if placed else r for r in got]
+        sizes = [len(r) for r in got] if targets is None else [r[1] for r in got]
         self.count_gets(len(keys), len(got), sum(sizes))
         return results
 
@@ -77,9 +81,9 @@ class GetDriver:
             self._counters.misses += requested - hits
             self._counters.get_bytes += nbytes
 
-    def _serve_or_locate(self, keys, results, targets, placed: bool) -> list[tuple[int, int, int, int]]:
-        """Serve DRAM-image hits into ``results`` (as bytes, or copied into ``targets`` and their
-        sizes -- ``placed``: (0, size)); returns (i, addr, length, seq) of the ones on flash. With
+    def _serve_or_locate(self, keys, results, targets) -> list[tuple[int, int, int, int]]:
+        """Serve DRAM-image hits into ``results`` (as bytes, or copied into ``targets``: (0, size));
+        returns (i, addr, length, seq) of the ones on flash. With
         ``targets``, every hit's buffer is checked for size first."""
         if not keys:
             return []
@@ -105,7 +109,7 @@ class GetDriver:
                     results[i] = bytes(block)
                 else:
                     copy_bytes(targets[i][:nbytes], block)
-                    results[i] = (0, nbytes) if placed else nbytes
+                    results[i] = (0, nbytes)
         return pending
 
     def _touch_regions(self, addrs: list[int]) -> None:
@@ -118,17 +122,16 @@ class GetDriver:
         for region in reversed(list(newest_first)):
             self._blocks.table.touch(region, now)
 
-    def _read_sealed(self, keys, pending, results, targets, placed: bool,
-                     verify_payload: bool) -> list[tuple[int, int, int, int]]:
+    def _read_sealed(self, keys, pending, results, targets, verify_payload: bool) -> list[tuple[int, int, int, int]]:
         """Read blocks from flash (as bytes, or into ``targets``); returns the ones that failed
         verification, re-located (they may have raced a reclaim)."""
         outcomes = self._reader.read_many([(keys[i], addr, length, seq) for i, addr, length, seq in pending],
                                           None if targets is None else [targets[i] for i, _, _, _ in pending],
-                                          placed, verify_payload)
+                                          verify_payload)
         failed = []
         device_errors = 0
         for (i, _, _, _), outcome in zip(pending, outcomes):
-            if isinstance(outcome, (bytes, int, tuple)):
+            if isinstance(outcome, (bytes, tuple)):
                 results[i] = outcome
             elif outcome is ReadFailure.CORRUPT:
                 failed.append(i)
@@ -140,7 +143,7 @@ class GetDriver:
         if not failed:
             return []
         relocated = self._serve_or_locate([keys[i] for i in failed], sub := [None] * len(failed),
-                                          None if targets is None else [targets[i] for i in failed], placed)
+                                          None if targets is None else [targets[i] for i in failed])
         for j, block in enumerate(sub):
             if block is not None:
                 results[failed[j]] = block
@@ -157,3 +160,64 @@ class GetDriver:
                     self._blocks.forget(np.array([slot]))
                     self._counters.corrupt_reads += 1
 
+
+    def lookup(self, k0: np.ndarray, k1: np.ndarray) -> int:
+        """How many leading keys are present (one vectorized probe, without the lock where it can)."""
+        if not len(k0):
+            return 0
+        self._check_open()
+        index = self._blocks.index
+        slots = index.find_many_unlocked(k0, k1)  # a LOOKUP never queues behind writers for the lock
+        if slots is None:
+            with self._lock:
+                self._check_open()
+                slots = index.find_many(k0, k1)
+        present = slots >= 0
+        return int(len(present) if present.all() else np.argmin(present))
+
+    def locate(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+        """A LOCATION_DTYPE row per key (``found`` False: absent, the other fields 0)."""
+        rows = np.zeros(len(k0), LOCATION_DTYPE)
+        if not len(k0):
+            return rows
+        with self._lock:
+            self._check_open()
+            hit, addr, length, seq, sealed = self._blocks.resolve(k0, k1, self._allocator.image_regions(),
+                                                                  durable_ends=self._allocator.image_durable_ends())
+        for name, column in (("found", True), ("logical_offset", addr), ("length", length), ("seq", seq),
+                             ("sealed", sealed)):
+            rows[name][hit] = column
+        return rows
+
+    def info(self, key: bytes, soft_pins) -> dict | None:
+        """The index's entry for ``key`` and its block's header (read from flash outside the lock),
+        or None: absent, or it raced a reclaim."""
+        k0, k1 = fmt.key_to_halves(key)
+        index, table, size = self._blocks.index, self._blocks.table, self._region_size
+        with self._lock:
+            self._check_open()
+            slot = index.find(k0, k1)
+            if slot < 0:
+                return None
+            addr, length, seq = int(index.addr[slot]), int(index.length[slot]), self._blocks.seq_of(slot)
+            region = addr // size
+            pinned = bool(index.meta[slot] & np.uint32(PINNED_BIT))
+            soft_pinned = soft_pins.contains((k0, k1))
+            last_access = float(table.last_access_s[region])
+            image = self._allocator.image_of(region)
+            on_flash = image is None or addr - region * size + length <= image.durable_end
+            head = bytes(image.block(addr - region * size, HEADER_SIZE)) if image is not None else None
+        if head is None:
+            start = align_down(addr)
+            buf = aligned_buffer(align_up(addr + HEADER_SIZE) - start)
+            self._array.read(start, buf)
+            head = bytes(buf[addr - start:addr - start + HEADER_SIZE])
+        try:
+            header = decode_header(head)
+        except BlockFormatError:
+            return None
+        if header.key != key or header.seq != seq:  # raced a reclaim
+            return None
+        return {"present": True, "size_bytes": length, "codec_id": header.codec_id, "ns_id": header.ns_id.hex(),
+                "region": region, "seq": seq, "pinned": pinned or soft_pinned, "soft_pinned": soft_pinned,
+                "region_last_access": last_access, "sealed": on_flash}

@@ -31,11 +31,11 @@ class BlockReader:
         self._buffers = buffers or BufferPool()
 
     def read_many(self, requests: Sequence[tuple[bytes, int, int, int]],
-                  into: Sequence[memoryview | None] | None = None, placed: bool = False,
-                  verify_payload: bool = True) -> list[bytes | int | tuple[int, int] | ReadFailure]:
+                  into: Sequence[memoryview | None] | None = None,
+                  verify_payload: bool = True) -> list[bytes | tuple[int, int] | ReadFailure]:
         """``requests``: (key, logical offset, length, seq); ``into``: a destination per request
-        (or None: that block comes back as bytes); ``placed`` and ``verify_payload`` as in
-        :meth:`read_one`. Every block's stripe pieces go into one plan, so each device gets its
+        (or None: that block comes back as bytes); ``verify_payload`` as in :meth:`read_one`.
+        Every block's stripe pieces go into one plan, so each device gets its
         pieces of the whole batch as runs in flight together (the pool's threads bound the queue
         depth), not one block's pieces at a time; then the blocks are verified (and copied where
         they did not land in place) on the pool. A device error fails the batch's plan: each block
@@ -43,9 +43,8 @@ class BlockReader:
         targets = [None] * len(requests) if into is None else into
         assert len(targets) == len(requests), (len(targets), len(requests))
         if len(requests) == 1:
-            return [self.read_one(*requests[0], inline=False, into=targets[0], placed=placed,
-                                  verify_payload=verify_payload)]
-        landing = [self._landing(addr, length, dst, placed) for (_, addr, length, _), dst in zip(requests, targets)]
+            return [self.read_one(*requests[0], inline=False, into=targets[0], verify_payload=verify_payload)]
+        landing = [self._landing(addr, length, dst) for (_, addr, length, _), dst in zip(requests, targets)]
         plan: dict = {}
         for (start, end, buf, _) in landing:
             self._array.add_to_plan(plan, start, buf[:end - start])
@@ -55,22 +54,20 @@ class BlockReader:
             for (_, _, buf, direct) in landing:
                 if not direct:
                     self._buffers.give(buf)
-            return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst, placed=placed,
+            return list(self._pool.map(lambda req, dst: self.read_one(*req, inline=True, into=dst,
                                                                       verify_payload=verify_payload),
                                        requests, targets))
-        return list(self._pool.map(lambda req, dst, land: self._finish(*req, dst, *land, placed, verify_payload),
+        return list(self._pool.map(lambda req, dst, land: self._finish(*req, dst, *land, verify_payload),
                                    requests, targets, landing))
 
-    def _landing(self, addr: int, length: int, into: memoryview | None, placed: bool):
+    def _landing(self, addr: int, length: int, into: memoryview | None):
         """(start, end, buffer, direct): the block's aligned range and where it is read to."""
         start, end = align_down(addr), align_up(addr + length)
-        fits = into is not None and into.nbytes >= end - start and is_aligned(into)
-        direct = fits and (placed or start == addr)
+        direct = into is not None and into.nbytes >= end - start and is_aligned(into)
         return start, end, (into if direct else self._buffers.take(end - start)), direct
 
     def _finish(self, key: bytes, addr: int, length: int, seq: int, into: memoryview | None, start: int, end: int,
-                buf: memoryview, direct: bool, placed: bool,
-                verify_payload: bool) -> bytes | int | tuple[int, int] | ReadFailure:
+                buf: memoryview, direct: bool, verify_payload: bool) -> bytes | tuple[int, int] | ReadFailure:
         """Verify a block read to ``buf`` and hand it out as :meth:`read_one` does."""
         try:
             view = buf[addr - start:addr - start + length]
@@ -79,9 +76,7 @@ class BlockReader:
                 return bytes(view)
             if not direct:
                 copy_bytes(into[:length], view)
-            if placed:
-                return (addr - start if direct else 0, length)
-            return length
+            return (addr - start if direct else 0, length)
         except BlockFormatError:
             return ReadFailure.CORRUPT
         finally:
@@ -89,24 +84,19 @@ class BlockReader:
                 self._buffers.give(buf)
 
     def read_one(self, key: bytes, addr: int, length: int, seq: int, inline: bool = False,
-                 into: memoryview | None = None, placed: bool = False,
-                 verify_payload: bool = True) -> bytes | int | tuple[int, int] | ReadFailure:
-        """The verified block as bytes -- or, with ``into``, placed there and its length returned.
+                 into: memoryview | None = None,
+                 verify_payload: bool = True) -> bytes | tuple[int, int] | ReadFailure:
+        """The verified block as bytes -- or, with ``into``, placed there: ``(offset, length)``.
 
-        With ``into``, a block that starts on an aligned address is read straight into ``into``
-        when ``into`` is aligned and holds the block's aligned range (``align_up(length)`` bytes):
-        one device read and one CRC pass, no copy. Otherwise the read lands in a pooled aligned
-        buffer, is verified there and copied once. Either way nothing is returned unverified; on a
-        failure, and past ``length``, the contents of ``into`` are undefined.
-
-        ``placed``: the block may land anywhere in ``into`` and ``(offset, length)`` comes back --
-        any block, aligned or not, is read straight into an aligned ``into`` that holds its
-        aligned range (``align_up(addr + length) - align_down(addr)`` bytes), and sits at
-        ``addr - align_down(addr)``; else it is copied to offset 0.
+        With ``into``, any block, aligned or not, is read straight into an aligned ``into`` that
+        holds its aligned range (``align_up(addr + length) - align_down(addr)`` bytes) and sits at
+        ``addr - align_down(addr)``: one device read and one CRC pass, no copy. Otherwise the read
+        lands in a pooled aligned buffer, is verified there and copied to offset 0. Either way
+        nothing is returned unverified; on a failure the contents of ``into`` are undefined.
         ``verify_payload=False`` checks header, key and seq but leaves the payload CRC to whoever
         the block is passed on to. ``inline`` reads in the calling thread (required on a pool
         thread: waiting on the pool from inside it could deadlock)."""
-        start, end, buf, direct = self._landing(addr, length, into, placed)
+        start, end, buf, direct = self._landing(addr, length, into)
         try:
             if inline:
                 self._array.read_inline(start, buf[:end - start])
@@ -116,4 +106,4 @@ class BlockReader:
             if not direct:
                 self._buffers.give(buf)
             return ReadFailure.DEVICE_ERROR
-        return self._finish(key, addr, length, seq, into, start, end, buf, direct, placed, verify_payload)
+        return self._finish(key, addr, length, seq, into, start, end, buf, direct, verify_payload)
