@@ -13,72 +13,10 @@ import time
 
 from kvtier.wire import connection as p
 from kvtier.client import transport_ops as ops
-from kvtier.client.block_client import (PIPELINE_FRAMES_MAX, ClientBase, ClientStatistics, _lost, _not_repeated,
-                                        accept_reply, geometry_from_info, pin_request)
+from kvtier.client.block_client import (ClientBase, ClientStatistics, _lost, _not_repeated, geometry_from_info,
+                                        pin_request)
+from kvtier.wire.channel import AsyncChannel
 from kvtier.common.stripe import StripeGeometry
-
-READ_CHUNK_BYTES = 1 << 20  # one stream read; large so big payloads take few wakeups
-
-
-class _AsyncChannel:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float):
-        self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
-        self.conn = p.Connection(p.Role.CLIENT)
-        self._next_id = 1
-        self.info: dict = {}
-
-    @classmethod
-    async def open(cls, host: str, port: int, timeout_s: float, token: str | None, name: str) -> "_AsyncChannel":
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=READ_CHUNK_BYTES),
-                                                timeout_s)
-        ch = cls(reader, writer, timeout_s)
-        try:
-            (reply,) = await ch.exchange([p.Hello(0, name, token or "")])
-        except BaseException:
-            ch.close()
-            raise
-        ch.info = dict(reply.info)
-        return ch
-
-    def close(self) -> None:
-        self.writer.close()
-
-    def idle_and_open(self) -> bool:
-        """False once the daemon closed this idle pooled connection (as far as the loop has seen)."""
-        return not (self.reader.at_eof() or self.reader.exception() is not None or self.writer.is_closing())
-
-    async def exchange(self, messages: list) -> list:
-        replies, first_error, sent = [], None, 0
-        while len(replies) < len(messages):
-            while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
-                self.writer.writelines(self.conn.send_parts(messages[sent], request_id=self._next_id))
-                self._next_id += 1
-                sent += 1
-            await asyncio.wait_for(self.writer.drain(), self.timeout_s)
-            reply = await asyncio.wait_for(self._read_reply(), self.timeout_s)
-            first_error = accept_reply(reply, self._next_id - (sent - len(replies)), first_error)
-            replies.append(reply)
-        if first_error is not None:
-            raise first_error
-        return replies
-
-    async def _read_reply(self):
-        while True:
-            event = self.conn.next_event()
-            if event is p.NEED_DATA:
-                view = self.conn.payload_view()
-                want = READ_CHUNK_BYTES if view is None else min(view.nbytes, READ_CHUNK_BYTES)
-                data = await self.reader.read(want)
-                if view is not None and data:
-                    view[:len(data)] = data
-                    self.conn.payload_received(len(data))
-                else:
-                    self.conn.receive_data(data)
-                continue
-            if event is p.CONNECTION_CLOSED:
-                raise p.ConnectionLost("the daemon closed the connection")
-            return event
-
 
 class AsyncBlockClient(ClientBase):
     """The asyncio twin of :class:`kvtier.client.BlockClient`."""
@@ -86,7 +24,7 @@ class AsyncBlockClient(ClientBase):
     def __init__(self, address: str = "127.0.0.1:7410", token: str | None = None, pool_size: int = 4,
                  timeout_s: float = 30.0, client_name: str = "kvtier-async-client"):
         super().__init__(address, token, pool_size, timeout_s, client_name)
-        self._pool: list[_AsyncChannel] = []
+        self._pool: list[AsyncChannel] = []
         self._slots: asyncio.Semaphore | None = None
         self._pool_size = pool_size
 
@@ -112,16 +50,16 @@ class AsyncBlockClient(ClientBase):
     def statistics(self) -> ClientStatistics:
         return ClientStatistics(**self._counts)
 
-    def _give_back(self, ch: _AsyncChannel) -> None:
+    def _give_back(self, ch: AsyncChannel) -> None:
         """Pool a connection whose request ended with its replies read; close it if the client closed meanwhile."""
         if self._closed:
             ch.close()
         else:
             self._pool.append(ch)
 
-    async def _connect(self) -> _AsyncChannel:
+    async def _connect(self) -> AsyncChannel:
         try:
-            ch = await _AsyncChannel.open(self._host, self._port, self._timeout_s, self._token, self._name)
+            ch = await AsyncChannel.open(self._host, self._port, self._timeout_s, self._token, self._name)
         except (OSError, asyncio.TimeoutError) as exc:
             raise self._cannot_connect(exc) from exc
         self._hello_info(ch.info)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import queue
-import select
 import socket
 import threading
 import time
@@ -32,7 +31,8 @@ import numpy as np
 from kvtier.wire import connection as p
 from kvtier.client import transport_ops as ops
 from kvtier.client.scatter_plan import FOLD_RECEIVE_BYTES_MAX, ScatterPlan
-from kvtier.wire.sockets import receive_payload, receive_some, sendmsg_all
+from kvtier.wire.channel import Channel
+from kvtier.wire.sockets import receive_payload
 from kvtier.wire.events import PIN_TTL_MS_MAX
 from kvtier.wire.writers import check_key
 from kvtier.common.addresses import DATA_PORT_DEFAULT, parse_address
@@ -40,7 +40,6 @@ from kvtier.common.stripe import StripeGeometry
 
 RECEIVE_SCRATCH_BYTES_MAX = 64 << 20  # reply payload buffer kept per connection; larger ones are allocated
 REPLY_BUFFERS_MAX = 4  # copy=False reply buffers kept per connection for reuse (callers may hold views)
-PIPELINE_FRAMES_MAX = 8  # frames in flight per connection: bounds buffering on both sides
 PIN_TTL_S_MAX = PIN_TTL_MS_MAX / 1000  # a soft pin's TTL goes on the wire as a u32 of milliseconds
 ZERO_COPY = object()  # `into` marker: receive each reply into a buffer of its own and keep views
 
@@ -86,21 +85,6 @@ def limits_from_info(info) -> p.Limits:
                     meta_bytes_max=min(d.meta_bytes_max, theirs.get("meta_bytes_max", d.meta_bytes_max)),
                     payload_bytes_max=min(d.payload_bytes_max, theirs.get("payload_bytes_max", d.payload_bytes_max)),
                     block_bytes_max=min(d.block_bytes_max, theirs.get("block_bytes_max", d.block_bytes_max)))
-
-
-def accept_reply(reply, expected_id: int, first_error: p.RemoteError | None) -> p.RemoteError | None:
-    """Check that one pipelined reply is the next one due -- an error reply too -- and return
-    the first error reply so far (the rest of the pipeline is still read). The connection has
-    already refused a reply that answers none of its outstanding requests, or not with their
-    op; here a reply out of order, or a connection-level error (request id 0: the daemon
-    closes), raises now."""
-    if reply.request_id != expected_id and not (isinstance(reply, p.ErrorReply) and reply.request_id == 0):
-        raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, expected {expected_id}")
-    if isinstance(reply, p.ErrorReply):
-        first_error = first_error or p.RemoteError(reply.code, reply.message, reply.request_id)
-        if reply.request_id == 0:
-            raise first_error
-    return first_error
 
 
 class ClientBase:
@@ -183,95 +167,49 @@ def _exported(buf: bytearray) -> bool:
     return False
 
 
-class _Channel:
-    """One connection: a socket, its protocol state, and the daemon's HELLO info."""
+class _Channel(Channel):
+    """A pooled connection: reply payloads land in the caller's memory, a reused buffer of views
+    (``ZERO_COPY``), or this connection's scratch buffer, from which GET blocks are copied once."""
 
     def __init__(self, host: str, port: int, timeout_s: float, token: str | None, name: str):
-        self.sock = socket.create_connection((host, port), timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.conn = p.Connection(p.Role.CLIENT)
-        self._next_id = 1
         self._scratch = bytearray()
         self._views = ReplyBuffers()
-        self.wire_bytes_sent = 0  # what the kernel took: >0 since an op began means the daemon may have it
-        self.info: dict = {}
-        try:
-            (reply,) = self.exchange([p.Hello(0, name, token or "")])
-            self.info = dict(reply.info)
-        except BaseException:
-            self.close()
-            raise
+        self._in_scratch = False
+        super().__init__(host, port, timeout_s, token, name)
 
-    def close(self) -> None:
-        self.sock.close()
+    def exchange(self, messages: list, into=None, deadline=None, on_sent=None) -> list:
+        many = into is ZERO_COPY or isinstance(into, ScatterPlan)
+        return super().exchange(messages, into if len(messages) == 1 or many else None,
+                                on_sent=into.sent if isinstance(into, ScatterPlan) else None)
 
-    def idle_and_open(self) -> bool:
-        """True if this idle pooled connection can take a request: nothing has
-        arrived on it since its last reply (an EOF, a reset, or an error frame
-        the daemon sent before closing all mean it is gone)."""
-        if self.sock.fileno() < 0:
-            return False
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN | select.POLLPRI)
-        return not poller.poll(0)
+    def _place_payload(self, head, into) -> bool:
+        """Into ``into`` if given and large enough, else this connection's reusable scratch buffer
+        (no fresh pages to fault in); GET blocks of a scatter plan straight into their destinations."""
+        conn = self.conn
+        self._in_scratch = False
+        scatter = into.views_for(head.request_id, conn.pending_meta) \
+            if isinstance(into, ScatterPlan) and head.base_op == p.Op.GET else None
+        if scatter is not None:  # each receive's CRCs folded while in cache
+            conn.set_payload_buffers(scatter, FOLD_RECEIVE_BYTES_MAX)
+            receive_payload(self.sock, conn, into.landed)
+            return True
+        if into is ZERO_COPY:  # the blocks are returned as views of this buffer
+            conn.set_payload_buffer(self._views.take(head.payload_len))
+        elif isinstance(into, memoryview) and head.payload_len <= into.nbytes:
+            conn.set_payload_buffer(into)
+        elif head.payload_len <= RECEIVE_SCRATCH_BYTES_MAX:
+            if len(self._scratch) < head.payload_len:
+                self._scratch = bytearray(head.payload_len)
+            conn.set_payload_buffer(self._scratch)
+            self._in_scratch = True
+        return False
 
-    def exchange(self, messages: list, into=None) -> list:
-        """Pipeline ``messages`` (at most PIPELINE_FRAMES_MAX ahead) and return
-        their replies in order; an error reply raises RemoteError after every
-        reply was read (the connection stays usable)."""
-        replies, first_error = [], None
-        sent = 0
-        while len(replies) < len(messages):
-            while sent < len(messages) and sent - len(replies) < PIPELINE_FRAMES_MAX:
-                self.wire_bytes_sent += sendmsg_all(self.sock, self.conn.send_parts(messages[sent],
-                                                                                 request_id=self._next_id))
-                if isinstance(into, ScatterPlan):
-                    into.sent(self._next_id)
-                self._next_id += 1
-                sent += 1
-            many = into is ZERO_COPY or isinstance(into, ScatterPlan)
-            reply = self._read_reply(into if len(messages) == 1 or many else None)
-            first_error = accept_reply(reply, self._next_id - (sent - len(replies)), first_error)
-            replies.append(reply)
-        if first_error is not None:
-            raise first_error
-        return replies
-
-    def _read_reply(self, into):
-        """The next reply. Its payload lands in ``into`` if given and large
-        enough, else in this connection's reusable scratch buffer (no fresh
-        pages to fault in), from which GET blocks are copied out once."""
-        conn, sock = self.conn, self.sock
-        head_placed, in_scratch = None, False
-        while True:
-            event = conn.next_event()
-            if event is p.NEED_DATA:
-                head = conn.pending_head
-                if head is not None and head is not head_placed:
-                    head_placed = head
-                    scatter = into.views_for(head.request_id, conn.pending_meta) \
-                        if isinstance(into, ScatterPlan) and head.base_op == p.Op.GET else None
-                    if scatter is not None:  # GET blocks straight into their destinations, each receive's
-                        conn.set_payload_buffers(scatter, FOLD_RECEIVE_BYTES_MAX)  # CRCs folded while in cache
-                        receive_payload(sock, conn, into.landed)
-                        continue
-                    if into is ZERO_COPY:  # the blocks are returned as views of this buffer
-                        conn.set_payload_buffer(self._views.take(head.payload_len))
-                    elif isinstance(into, memoryview) and head.payload_len <= into.nbytes:
-                        conn.set_payload_buffer(into)
-                    elif head.payload_len <= RECEIVE_SCRATCH_BYTES_MAX:
-                        if len(self._scratch) < head.payload_len:
-                            self._scratch = bytearray(head.payload_len)
-                        conn.set_payload_buffer(self._scratch)
-                        in_scratch = True
-                receive_some(sock, conn)
-                continue
-            if event is p.CONNECTION_CLOSED:
-                raise p.ConnectionLost("the daemon closed the connection")
-            if in_scratch and isinstance(event, p.GetReply):
-                event = p.GetReply(event.request_id, tuple(b if b is None or b is p.DEFERRED else bytes(b)
-                                                           for b in event.blocks), origins=event.origins)
-            return event
+    def _received(self, reply):
+        if self._in_scratch and isinstance(reply, p.GetReply):
+            reply = p.GetReply(reply.request_id, tuple(b if b is None or b is p.DEFERRED else bytes(b)
+                                                       for b in reply.blocks), origins=reply.origins)
+        self._in_scratch = False
+        return reply
 
 
 class BlockClient(ClientBase):

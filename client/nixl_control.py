@@ -10,33 +10,26 @@ import time
 
 from kvtier.common.backoff import Backoff
 from kvtier.wire import connection as p
-from kvtier.wire.sockets import receive_some, sendmsg_all
+from kvtier.wire.channel import Channel
+from kvtier.wire.sockets import receive_some
 
 WAIT_FIRST_S = 10e-6  # the first wait on the socket between calls of while_waiting
 WAIT_MAX_S = 0.001  # the longest (a caller whose transfers move only while it progresses passes less)
 _REQUEST_IDS = itertools.count(1)  # every control connection's request ids, process-wide (next() is atomic)
 
 
-class ControlChannel:
-    """One data-protocol connection for NIXL_METADATA and NIXL_GET."""
+class ControlChannel(Channel):
+    """One data-protocol connection for NIXL_METADATA, NIXL_GET and NIXL_PUT."""
 
     def __init__(self, host: str, port: int, timeout_s: float, token: str | None, name: str,
                  setup_timeout_s: float | None = None):
         """Connect and HELLO within ``setup_timeout_s`` each (``timeout_s`` when None); later
         exchanges wait ``timeout_s`` for their reply unless they name their own limit."""
-        setup_timeout_s = timeout_s if setup_timeout_s is None else setup_timeout_s
-        self.sock = socket.create_connection((host, port), timeout=setup_timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.conn = p.Connection(p.Role.CLIENT)
         self.broken = False  # an exchange ended before its reply came
         self.last_request_id = 0
         self.generation = -1  # the agent generation this connection's daemon last loaded
-        try:
-            self.info = dict(self.exchange(p.Hello(0, name, token or "")).info)
-            self.sock.settimeout(timeout_s)
-        except BaseException:
-            self.sock.close()
-            raise
+        super().__init__(host, port, timeout_s if setup_timeout_s is None else setup_timeout_s, token, name)
+        self.sock.settimeout(timeout_s)
 
     @property
     def same_host(self) -> bool:
@@ -45,11 +38,12 @@ class ControlChannel:
         return local == peer or peer.startswith("127.") or peer == "::1"
 
     def exchange(self, message, while_waiting=None, wait_max_s: float = WAIT_MAX_S, timeout_s: float | None = None):
-        """The reply to ``message``; ``while_waiting()`` is called until its first bytes arrive, between
-        waits on the socket that double from WAIT_FIRST_S to ``wait_max_s`` (back to the first after a
-        call that returned true: progress). Request ids are unique in the process (they name the NIXL
-        notifications, which all arrive at the one agent). ``timeout_s``: this exchange's limit instead
-        of the connection's (a timeout leaves the connection unusable: close it)."""
+        """The reply to ``message``; ``while_waiting()`` is called until its
+        first bytes arrive, between waits on the socket that double from WAIT_FIRST_S to ``wait_max_s``
+        (back to the first after a call that returned true: progress). Request ids are unique in the
+        process (they name the NIXL notifications, which all arrive at the one agent). ``timeout_s``:
+        this exchange's limit instead of the connection's (a timeout leaves the connection unusable:
+        close it)."""
         if timeout_s is not None:
             previous = self.sock.gettimeout()
             self.sock.settimeout(timeout_s)
@@ -57,29 +51,24 @@ class ControlChannel:
                 return self.exchange(message, while_waiting, wait_max_s)
             finally:
                 self.sock.settimeout(previous)
-        rid = self.last_request_id = next(_REQUEST_IDS)
-        sendmsg_all(self.sock, self.conn.send_parts(message, request_id=rid))
+        rid = self.last_request_id = self.send(message, request_id=next(_REQUEST_IDS))
         deadline = time.monotonic() + (self.sock.gettimeout() or 0)
         backoff = Backoff(WAIT_FIRST_S, wait_max_s)
-        while True:
-            event = self.conn.next_event()
-            if event is p.NEED_DATA:
-                while while_waiting is not None and not select.select([self.sock], [], [], backoff.next_s())[0]:
-                    try:
-                        if while_waiting():
-                            backoff.reset()
-                    except BaseException:
-                        self.broken = True  # its reply is still to come: the connection cannot serve another
-                        raise
-                    if time.monotonic() > deadline:
-                        raise p.ConnectionLost(f"no reply within {self.sock.gettimeout()} s")
-                receive_some(self.sock, self.conn)
-                continue
-            if event is p.CONNECTION_CLOSED:
-                raise p.ConnectionLost("the daemon closed the NIXL control connection")
-            if isinstance(event, p.ErrorReply):
-                raise p.RemoteError(event.code, event.message, event.request_id)
-            return event
+        while while_waiting is not None and not select.select([self.sock], [], [], backoff.next_s())[0]:
+            try:
+                if while_waiting():
+                    backoff.reset()
+            except BaseException:
+                self.broken = True  # its reply is still to come: the connection cannot serve another
+                raise
+            if time.monotonic() > deadline:
+                raise p.ConnectionLost(f"no reply within {self.sock.gettimeout()} s")
+        reply = self.read_reply()
+        if isinstance(reply, p.ErrorReply):
+            raise p.RemoteError(reply.code, reply.message, reply.request_id)
+        if reply.request_id != rid:
+            raise p.ProtocolError(p.ErrorCode.BAD_FRAME, f"reply for request {reply.request_id}, expected {rid}")
+        return reply
 
     def settle(self, timeout_s: float, while_waiting=None, wait_max_s: float = WAIT_MAX_S):
         """After an exchange that ended before its reply: close our side of the connection and wait up
@@ -111,5 +100,3 @@ class ControlChannel:
         except OSError:  # reset, or never connected: the daemon's side of it is gone
             return p.CONNECTION_CLOSED
 
-    def close(self) -> None:
-        self.sock.close()

@@ -378,11 +378,11 @@ class _CollectingWriter:
     (7, p.ProtocolError),  # another request's: the stream is out of step
 ])
 def test_async_client_checks_the_request_id_of_error_replies(error_id, raised):
-    from kvtier.client.async_block_client import _AsyncChannel
+    from kvtier.wire.channel import AsyncChannel
 
     async def run():
         reader = asyncio.StreamReader()
-        ch = _AsyncChannel(reader, _CollectingWriter(), timeout_s=5)
+        ch = AsyncChannel(reader, _CollectingWriter(), timeout_s=5)
         server = p.Connection(p.Role.SERVER)
         reader.feed_data(server.send(p.ErrorReply(error_id, p.ErrorCode.BAD_REQUEST, "for some request")))
         with pytest.raises(raised) as info:

@@ -117,6 +117,11 @@ class Connection:
         self._buf += data
 
     @property
+    def peer_closed(self) -> bool:
+        """True once the end of the stream was fed (``receive_data(b"")``)."""
+        return self._eof
+
+    @property
     def in_frame(self) -> bool:
         """True while part of a frame has arrived (for mid-frame timeouts)."""
         return self._state.receive in (Receive.META, Receive.PAYLOAD, Receive.DISCARD) or bool(self._buf)

@@ -1,4 +1,5 @@
-"""The only socket code of the data protocol, shared by the blocking client and the daemon.
+"""The only socket code of the data protocol, shared by the blocking client and the daemon (the
+connection driver, :mod:`.channel`, calls it).
 
 Writes are gathered: every buffer goes out with ``sendmsg`` (header and payload
 views, no joining copy). Reads feed a sans-IO :class:`~kvtier.wire.connection.Connection`:
@@ -10,6 +11,13 @@ from __future__ import annotations
 import socket
 
 SENDMSG_IOV_MAX = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
+
+
+def connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A TCP connection to ``host:port`` (within ``timeout_s``), small frames sent at once (TCP_NODELAY)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def sendmsg_all(sock: socket.socket, parts) -> int:
