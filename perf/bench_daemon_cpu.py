@@ -1,4 +1,5 @@
-"""Daemon CPU seconds per GiB of a durable PUT and of a GET from flash, with same-run references.
+"""Daemon CPU seconds per GiB of a durable (or ``--buffered``) PUT and of a GET from flash, with same-run
+references.
 
     sudo .venv/bin/python perf/bench_daemon_cpu.py                 # 32 MiB and 2 MiB blocks, 1 GiB each
     sudo .venv/bin/python perf/bench_daemon_cpu.py --gib 0.25 --block-mib 32
@@ -56,7 +57,7 @@ def daemon_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-def bench_kvtierd(work: Path, block_bytes: int, total_bytes: int) -> dict:
+def bench_kvtierd(work: Path, block_bytes: int, total_bytes: int, durable: bool = True) -> dict:
     count = max(CONNECTIONS, total_bytes // block_bytes)
     payload = os.urandom(block_bytes)
     keys = [i.to_bytes(8, "little") + b"cpu-bnch" for i in range(count)]
@@ -71,7 +72,7 @@ def bench_kvtierd(work: Path, block_bytes: int, total_bytes: int) -> dict:
         def put(idx):
             with BlockClient(d.data_addr, pool_size=1) as c:
                 for j in range(0, len(idx), per_call):
-                    c.put_many([(keys[i], blocks[i]) for i in idx[j:j + per_call]], durable=True)
+                    c.put_many([(keys[i], blocks[i]) for i in idx[j:j + per_call]], durable=durable)
 
         cpu0 = daemon_cpu_s(d.proc.pid)
         put_s = parallel(put, shares)
@@ -96,7 +97,7 @@ def bench_kvtierd(work: Path, block_bytes: int, total_bytes: int) -> dict:
     finally:
         d.stop()
     return {"block_bytes": block_bytes, "blocks": count, "bytes": total, "connections": CONNECTIONS,
-            "put_durable_bytes_per_s": total / put_s, "get_bytes_per_s": total / get_s,
+            "durable": durable, "put_bytes_per_s": total / put_s, "get_bytes_per_s": total / get_s,
             "put_daemon_cpu_s_per_gib": put_cpu * GiB / total, "get_daemon_cpu_s_per_gib": get_cpu * GiB / total,
             "get_misses": misses[0],
             "engine_after_put": {k: put_stats.get(k) for k in ("puts", "puts_received_in_place")}}
@@ -141,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="bytes per block size, in GiB")
     ap.add_argument("--block-mib", type=int, action="append", help="block payload MiB (repeatable; default 32 and 2)")
     ap.add_argument("--no-references", action="store_true", help="skip fio and iperf3")
+    ap.add_argument("--buffered", action="store_true", help="PUT without durable (acknowledged before the sync)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     total = int(args.gib * GiB)
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     try:
         for mib in args.block_mib or [32, 2]:
             work = WORK_DIR / f"b{mib}"
-            result["kvtierd"].append(bench_kvtierd(work, mib << 20, total))
+            result["kvtierd"].append(bench_kvtierd(work, mib << 20, total, durable=not args.buffered))
         if not args.no_references:
             files = sorted((WORK_DIR / f"b{(args.block_mib or [32, 2])[-1]}").glob("dev*"))
             result["fio"] = bench_fio(files or [WORK_DIR / "fio.dat"], total)
