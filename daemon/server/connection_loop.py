@@ -12,12 +12,13 @@ for anything else) and must say HELLO within ``hello_timeout_s`` of opening,
 so unauthenticated peers cost neither memory nor, for long, a connection slot.
 An authenticated connection that sits idle between requests for
 ``idle_timeout_s`` is told so (ERROR TIMEOUT, request id 0) and closed.
-A PUT being received into the open region holds it (every other writer waits, see
-``engine.puts``): while it does, its connection may go at most
-RESERVED_PAYLOAD_STALL_S without a byte, not ``frame_timeout_s``, before it is told so and closed.
-A frame must also arrive whole by a deadline (the timeout plus its payload at
-PAYLOAD_RATE_MIN_BYTES_S, or RESERVED_PAYLOAD_RATE_MIN_BYTES_S in the open region): a peer
-that sends a byte now and then cannot hold a buffer, the transient budget or the open region.
+After HELLO every frame has one deadline: ``frame_timeout_s`` plus its payload at
+PAYLOAD_RATE_MIN_BYTES_S from when its header is in (its header and meta, within the timeout plus
+the largest meta at that rate). A PUT being received into the open region holds it (every other
+writer waits, see ``engine.puts``), so its deadline is RESERVED_PAYLOAD_STALL_S (at most the frame
+timeout) plus its payload at RESERVED_PAYLOAD_RATE_MIN_BYTES_S. A peer that stalls, or sends a byte
+now and then, cannot hold a buffer, the transient budget or the open region past it: it is told
+so (ERROR TIMEOUT) and closed.
 An idle connection wakes when the server stops; a busy one finishes the
 requests already received first.
 """
@@ -40,9 +41,9 @@ from kvtier.wire.sockets import receive_some, sendmsg_all
 
 log = logging.getLogger("kvtier.daemon.server")
 
-RESERVED_PAYLOAD_STALL_S = 2.0  # no byte for this long mid-payload while holding the open region: closed
-# After HELLO a frame must also arrive whole in time, however its bytes trickle in: within the
-# frame timeout (the stall bound, in the open region) plus its payload at these rates at least.
+RESERVED_PAYLOAD_STALL_S = 2.0  # a frame's deadline in the open region, before its payload's time
+# After HELLO a frame must arrive whole in time, however its bytes trickle in: within the frame
+# timeout (RESERVED_PAYLOAD_STALL_S in the open region) plus its payload at these rates at least.
 PAYLOAD_RATE_MIN_BYTES_S = 32 << 20
 RESERVED_PAYLOAD_RATE_MIN_BYTES_S = 32 << 20
 
@@ -88,12 +89,6 @@ class ConnectionLoop:
             log.info("event=idle_timeout peer=%s timeout_s=%s", peer, self._idle_timeout_s)
             send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
                                f"idle for {self._idle_timeout_s} s between requests (idle_timeout): closed")
-        except _ReservationStalled as exc:
-            self._recorder.error(p.ErrorCode.TIMEOUT.name)
-            log.warning("event=reserved_payload_stall peer=%s timeout_s=%s", peer, exc.timeout_s)
-            send_error_quietly(sock, conn, 0, p.ErrorCode.TIMEOUT,
-                               f"a PUT being received into the open region stalled for {exc.timeout_s} s "
-                               "mid-payload (other writers wait for it): closed")
         except _FrameTooSlow as exc:
             self._recorder.error(p.ErrorCode.TIMEOUT.name)
             log.warning("event=frame_too_slow peer=%s payload_bytes=%d allowed_s=%.1f", peer, exc.nbytes,
@@ -125,7 +120,6 @@ class ConnectionLoop:
                         hello_deadline: float) -> None:
         handler, buffers, recorder = self._handler, self._buffers, self._recorder
         placed = None
-        stall_bounded = False  # the socket's timeout is RESERVED_PAYLOAD_STALL_S while a payload is received in place
         frame_deadline: _FrameDeadline | None = None  # after HELLO: when the frame being received must be in
         received_before = 0
         while True:
@@ -148,17 +142,15 @@ class ConnectionLoop:
                     placed = head  # a PUT into the open region; else an arena if it fits and one is free;
                     # else a transient buffer, budget permitting
                     buffer = handler.payload_in_place(session, head, conn.pending_meta) if session.greeted else None
-                    if buffer is not None:
-                        sock.settimeout(self._reserved_stall_s)
-                        stall_bounded = True
-                    else:
+                    in_place = buffer is not None
+                    if not in_place:
                         buffer = buffers.payload_buffer(session, head.payload_len)
                     if buffer is not None:
                         conn.set_payload_buffer(buffer)
                     elif (why := buffers.admit_payload(session, head.payload_len)) is not None:
                         refused = conn.reject_payload(*why)
                     if session.greeted:
-                        frame_deadline = self._payload_deadline(head.payload_len, stall_bounded)
+                        frame_deadline = self._payload_deadline(head.payload_len, in_place)
                 if refused is not None:
                     frame_deadline = None
                     sent = sendmsg_all(sock, conn.send_parts(handler.handle(refused, session)[0]))
@@ -166,22 +158,16 @@ class ConnectionLoop:
                     continue
                 if frame_deadline is None and session.greeted and conn.in_frame:
                     allowed_s = self._frame_timeout_s + self._limits.meta_bytes_max / PAYLOAD_RATE_MIN_BYTES_S
-                    frame_deadline = _FrameDeadline(time.monotonic() + allowed_s, 0, allowed_s)  # header and meta
-                cut_by_deadline = False  # this receive waits less than the stall bound: the frame's deadline is near
+                    frame_deadline = _FrameDeadline(time.monotonic() + allowed_s, 0, allowed_s, False)  # header, meta
                 if frame_deadline is not None:
-                    left = frame_deadline.left()
-                    stall_s = self._reserved_stall_s if stall_bounded else self._frame_timeout_s
-                    if left <= 0:
-                        raise frame_deadline.too_slow(session.put_reservation is not None)
-                    cut_by_deadline = left < stall_s
-                    sock.settimeout(min(left, stall_s))
+                    if frame_deadline.left() <= 0:
+                        raise frame_deadline.too_slow()
+                    sock.settimeout(frame_deadline.left())
                 try:
                     receive_some(sock, conn)
                 except socket.timeout:
-                    if cut_by_deadline:
-                        raise frame_deadline.too_slow(session.put_reservation is not None) from None
-                    if session.put_reservation is not None:
-                        raise _ReservationStalled(self._reserved_stall_s) from None
+                    if frame_deadline is not None:
+                        raise frame_deadline.too_slow() from None
                     raise
                 continue
             if frame_deadline is not None:
@@ -202,9 +188,6 @@ class ConnectionLoop:
                 recorder.error(p.ErrorCode.BUSY.name)
                 log.warning("event=connection_refused peer=%s reason=%s", session.peer, refusal)
                 reply, close_after = p.ErrorReply(event.request_id, p.ErrorCode.BUSY, refusal), True
-            if stall_bounded:
-                sock.settimeout(self._frame_timeout_s)
-                stall_bounded = False
             if reply is None:  # the peer gave the request up (shut down its side): it ends without a reply
                 log.info("event=request_abandoned_by_peer peer=%s op=%s", session.peer, type(event).__name__)
                 return
@@ -230,7 +213,7 @@ class ConnectionLoop:
         bound, rate = ((self._reserved_stall_s, RESERVED_PAYLOAD_RATE_MIN_BYTES_S) if in_place
                        else (self._frame_timeout_s, PAYLOAD_RATE_MIN_BYTES_S))
         allowed_s = bound + nbytes / rate
-        return _FrameDeadline(time.monotonic() + allowed_s, nbytes, allowed_s)
+        return _FrameDeadline(time.monotonic() + allowed_s, nbytes, allowed_s, in_place)
 
     def _wait_for_request(self, sock: socket.socket, timeout_s: float | None, before_hello: bool) -> bool:
         """Block until the idle connection has bytes (True) or we stop (False);
@@ -253,25 +236,17 @@ def peer_shut_down(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
-class _ReservationStalled(Exception):
-    """A PUT received into the open region went ``timeout_s`` without a byte mid-payload."""
-
-    def __init__(self, timeout_s: float):
-        super().__init__(f"stalled for {timeout_s} s")
-        self.timeout_s = timeout_s
-
-
 class _FrameDeadline:
     """When the frame being received must be in (a monotonic time), and what it carries."""
 
-    def __init__(self, at: float, nbytes: int, allowed_s: float) -> None:
-        self.at, self.nbytes, self.allowed_s = at, nbytes, allowed_s
+    def __init__(self, at: float, nbytes: int, allowed_s: float, in_place: bool) -> None:
+        self.at, self.nbytes, self.allowed_s, self.in_place = at, nbytes, allowed_s, in_place
 
     def left(self) -> float:
         return max(0.0, self.at - time.monotonic())
 
-    def too_slow(self, in_place: bool) -> "_FrameTooSlow":
-        return _FrameTooSlow(self.nbytes, self.allowed_s, in_place)
+    def too_slow(self) -> "_FrameTooSlow":
+        return _FrameTooSlow(self.nbytes, self.allowed_s, self.in_place)
 
 
 class _FrameTooSlow(Exception):
