@@ -85,16 +85,16 @@ def test_a_get_whose_block_outgrew_its_location_locates_it_again(engine):
         def __init__(self, inner):
             self._inner, self.calls = inner, 0
 
-        def locate_buffer(self, keys_buf):
-            rows = self._inner.locate_buffer(keys_buf)
+        def locate_buffer(self, keys_buf, for_read=False):
+            rows = self._inner.locate_buffer(keys_buf, for_read)
             if self.calls == 0:  # deleted and put again, larger, once it was located
                 self._inner.delete_many([keys[2]])
                 self._inner.put(grown)
             return rows
 
-        def get_many_placed(self, keys, bufs, verify_payload=True):
+        def get_many_placed(self, keys, bufs, verify_payload=True, located=None):
             self.calls += 1
-            return self._inner.get_many_placed(keys, bufs, verify_payload)
+            return self._inner.get_many_placed(keys, bufs, verify_payload, located)
 
         def __getattr__(self, name):
             return getattr(self._inner, name)
@@ -126,7 +126,7 @@ def test_a_get_the_engine_keeps_refusing_is_answered_with_its_error(engine):
         def __init__(self, inner):
             self._inner, self.calls = inner, 0
 
-        def get_many_placed(self, keys, bufs, verify_payload=True):
+        def get_many_placed(self, keys, bufs, verify_payload=True, located=None):
             self.calls += 1
             raise EngineError("buffer of 4096 bytes is too small for the 8192-byte block")
 
@@ -306,12 +306,12 @@ def test_a_get_without_an_arena_reads_what_one_arena_holds_and_reserves_once(eng
             self.read_keys += len(keys)
             return self._inner.get_many(keys)
 
-        def get_many_placed(self, keys, bufs, verify_payload=True):
+        def get_many_placed(self, keys, bufs, verify_payload=True, located=None):
             self.read_keys += len(keys)
             if self.fail_placed:
                 self.fail_placed = False
                 raise EngineError("the block grew since it was located")
-            return self._inner.get_many_placed(keys, bufs, verify_payload)
+            return self._inner.get_many_placed(keys, bufs, verify_payload, located)
 
         def __getattr__(self, name):
             return getattr(self._inner, name)

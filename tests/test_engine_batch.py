@@ -301,3 +301,36 @@ def test_vectorized_pin_and_unpin_keep_the_accounting(busy):
     assert [busy.block_info(key(i))["seq"] for i in (1, 6, 16)] == seqs  # pins never move a block
     assert busy.delete_many([key(16), key(16), key(5)]) == [True, True, True]
     assert int(table.pinned_bytes.sum()) == pinned_before - full
+
+
+def test_a_get_of_located_blocks_reads_them_where_they_were_found():
+    """get_many_placed with ``located`` (a GET's one resolve): blocks on flash are read at the located
+    place, and the GET answers as of its locate: a block deleted or stored again since is served as
+    located (those bytes are still its own, key and seq checked). One that fails its check there is
+    located anew (here it is still indexed there: dropped as corrupt, a miss); one still in the open
+    image is copied from it."""
+    from kvtier.daemon.engine.superblock import DATA_OFFSET_BYTES
+    engine, _, devs = mem_engine(regions=6, devices=1)
+    sent = {i: page_block(i, 4) for i in range(4)}
+    engine.put_many(list(sent.values()))
+    seal(engine)
+    engine.put(page_block(9, 4))  # in the open image
+    ids = [0, 1, 2, 3, 9]
+    rows = engine.locate_buffer(keys_buffer(ids), for_read=True)
+    assert rows["found"].all() and rows["sealed"].tolist() == [True, True, True, True, False]
+    assert engine.delete_many([key(1), key(2)]) == [True, True]
+    engine.put(page_block(2, 5))  # key 2 again, another block
+    dev_off = engine.geometry.map_range(int(rows["logical_offset"][3]) + HEADER_SIZE + 10, 1)[0][1]
+    assert dev_off >= DATA_OFFSET_BYTES
+    devs[0].data[dev_off] ^= 0xFF  # key 3's payload, where it was located
+    bufs = [aligned_buffer(8 * PAGE) for _ in ids]
+    placed = engine.get_many_placed([key(i) for i in ids], bufs, located=rows)
+    assert placed[3] is None and engine.statistics().corrupt_reads == 1 and engine.lookup([key(3)]) == 0
+    for i, b, where in zip(ids, bufs, placed):
+        if i != 3:
+            assert where is not None and same_block(bytes(b[where[0]:where[0] + where[1]]),
+                                                    sent.get(i, page_block(9, 4)))
+    assert engine.get_many_placed([key(1), key(2)], bufs[:2]) == [None, (0, 5 * PAGE)]  # located now
+    with pytest.raises(ValueError, match="located rows"):
+        engine.get_many_placed([key(0)], [bufs[0]], located=rows[:2])
+    engine.close()

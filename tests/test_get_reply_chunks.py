@@ -26,11 +26,11 @@ class CountingEngine:
     def __init__(self, inner, refuse_call: int | None = None):
         self._inner, self.reads, self._refuse = inner, [], refuse_call
 
-    def get_many_placed(self, keys, bufs, verify_payload=True):
+    def get_many_placed(self, keys, bufs, verify_payload=True, located=None):
         self.reads.append(len(keys))
         if len(self.reads) == self._refuse:
             raise EngineError("buffer of 4096 bytes is too small for the 8192-byte block")
-        return self._inner.get_many_placed(keys, bufs, verify_payload)
+        return self._inner.get_many_placed(keys, bufs, verify_payload, located)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -209,8 +209,8 @@ class Engine:
         return self._gets.get(keys)
 
     @fails_closed
-    def get_many_placed(self, keys: Sequence, bufs: Sequence,
-                        verify_payload: bool = True) -> list[tuple[int, int] | None]:
+    def get_many_placed(self, keys: Sequence, bufs: Sequence, verify_payload: bool = True,
+                        located: np.ndarray | None = None) -> list[tuple[int, int] | None]:
         """The verified block i placed in ``bufs[i]`` (writable, distinct; each checked for size
         against the index before any read), as ``(offset, size)``: the block is
         ``bufs[i][offset:offset + size]``, or None (a miss). A block on flash is read straight
@@ -218,8 +218,10 @@ class Engine:
         side) whatever its alignment -- one device read, no copy; a smaller buffer needs only the
         block's size and gets a copy at offset 0. ``verify_payload=False`` checks header, key and
         seq of blocks read from flash but not the payload CRC: for a caller passing the block to
-        a reader that checks it (the daemon's GET)."""
-        return self._gets.get(keys, bufs, verify_payload=verify_payload)
+        a reader that checks it (the daemon's GET). ``located``: the keys' rows from
+        :meth:`locate_buffer` with ``for_read``: blocks on flash are read where they were found,
+        not resolved again."""
+        return self._gets.get(keys, bufs, verify_payload=verify_payload, located=located)
 
     @fails_closed
     def record_misses(self, count: int) -> None:
@@ -250,10 +252,11 @@ class Engine:
                                                          rows["sealed"].tolist())]
 
     @fails_closed
-    def locate_buffer(self, keys_buf) -> np.ndarray:
+    def locate_buffer(self, keys_buf, for_read: bool = False) -> np.ndarray:
         """:meth:`locate_many` for N keys given as one contiguous buffer of N x 16 bytes: a
-        LOCATION_DTYPE array of N rows (``found`` False: absent, the other fields 0)."""
-        return self._gets.locate(*fmt.key_buffer_to_halves(keys_buf))
+        LOCATION_DTYPE array of N rows (``found`` False: absent, the other fields 0). ``for_read``:
+        the blocks found are read next (:meth:`get_many_placed` with ``located``)."""
+        return self._gets.locate(*fmt.key_buffer_to_halves(keys_buf), for_read=for_read)
 
     # -- delete / pin (pins_and_deletes.PinsAndDeletes) --------------------------
     @fails_closed

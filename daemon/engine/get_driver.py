@@ -50,9 +50,13 @@ class GetDriver:
         self._check_open = check_open  # raises once the engine is closed
         self._region_size = region_size_bytes
 
-    def get(self, keys: Sequence, bufs: Sequence | None = None, verify_payload: bool = True) -> list:
+    def get(self, keys: Sequence, bufs: Sequence | None = None, verify_payload: bool = True,
+            located: np.ndarray | None = None) -> list:
         """Block i as bytes, or None -- or, with ``bufs``, placed in ``bufs[i]``: (offset, size)
-        (see ``Engine.get_many_placed``)."""
+        (see ``Engine.get_many_placed``). ``located``: the keys' rows from :meth:`locate` with
+        ``for_read`` (counted and touched there): the blocks on flash are read where it found them,
+        without resolving them again (one that moved since fails its key/seq check and is located
+        anew); the others, in a DRAM image, are resolved and copied under the lock."""
         if bufs is not None and len(keys) != len(bufs):
             raise BadArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
         keys = [bytes(k) for k in keys]
@@ -63,7 +67,10 @@ class GetDriver:
                 if target.readonly:
                     raise BadArgumentError(f"buffer {i} is read-only")
         results: list = [None] * len(keys)
-        pending = self._serve_or_locate(keys, results, targets)
+        if located is None:
+            pending = self._serve_or_locate(keys, results, targets)
+        else:
+            pending = self._located(keys, located, results, targets)
         for _ in range(READ_RETRIES + 1):
             if not pending:
                 break
@@ -75,29 +82,48 @@ class GetDriver:
         self.count_gets(len(keys), len(got), sum(sizes))
         return results
 
+    def _located(self, keys, located: np.ndarray, results, targets) -> list[tuple[int, int, int, int]]:
+        """(i, addr, length, seq) of the located blocks on flash; those in a DRAM image served."""
+        if len(located) != len(keys):
+            raise BadArgumentError(f"{len(keys)} keys but {len(located)} located rows")
+        on_flash = located["found"] & located["sealed"]
+        pending = list(zip(np.flatnonzero(on_flash).tolist(), located["logical_offset"][on_flash].tolist(),
+                           located["length"][on_flash].tolist(), located["seq"][on_flash].tolist()))
+        in_image = np.flatnonzero(located["found"] & ~located["sealed"]).tolist()
+        if in_image:
+            served: list = [None] * len(in_image)
+            more = self._serve_or_locate([keys[i] for i in in_image], served,
+                                         None if targets is None else [targets[i] for i in in_image],
+                                         counted=True)
+            for j, block in enumerate(served):
+                results[in_image[j]] = block
+            pending += [(in_image[j], addr, length, seq) for j, addr, length, seq in more]
+        return pending
+
     def count_gets(self, requested: int, hits: int, nbytes: int) -> None:
         with self._lock:
             self._counters.hits += hits
             self._counters.misses += requested - hits
             self._counters.get_bytes += nbytes
 
-    def _serve_or_locate(self, keys, results, targets) -> list[tuple[int, int, int, int]]:
+    def _serve_or_locate(self, keys, results, targets, counted: bool = False) -> list[tuple[int, int, int, int]]:
         """Serve DRAM-image hits into ``results`` (as bytes, or copied into ``targets``: (0, size));
-        returns (i, addr, length, seq) of the ones on flash. With
+        ``counted``: these reads were counted for reinsertion and their regions touched already; returns (i, addr, length, seq) of the ones on flash. With
         ``targets``, every hit's buffer is checked for size first."""
         if not keys:
             return []
         k0, k1 = fmt.keys_to_halves(keys)
         with self._lock:
             self._check_open()
-            resolved = self._blocks.resolve(k0, k1, self._allocator.image_regions(), count_hits=True)
+            resolved = self._blocks.resolve(k0, k1, self._allocator.image_regions(), count_hits=not counted)
             hit, addr, length, seq, sealed = (a.tolist() for a in resolved)
             if targets is not None:
                 for i, nbytes in zip(hit, length):
                     if targets[i].nbytes < nbytes:
                         raise EngineError(f"buffer of {targets[i].nbytes} bytes is too small for the "
                                           f"{nbytes}-byte block")
-            self._touch_regions(addr)
+            if not counted:
+                self._touch_regions(addr)
             pending = []
             for i, at, nbytes, sq, on_flash in zip(hit, addr, length, seq, sealed):
                 if on_flash:
@@ -175,15 +201,20 @@ class GetDriver:
         present = slots >= 0
         return int(len(present) if present.all() else np.argmin(present))
 
-    def locate(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-        """A LOCATION_DTYPE row per key (``found`` False: absent, the other fields 0)."""
+    def locate(self, k0: np.ndarray, k1: np.ndarray, for_read: bool = False) -> np.ndarray:
+        """A LOCATION_DTYPE row per key (``found`` False: absent, the other fields 0). ``for_read``:
+        the caller reads the blocks found next (:meth:`get` with ``located``): counted for
+        reinsertion and their regions touched here, once."""
         rows = np.zeros(len(k0), LOCATION_DTYPE)
         if not len(k0):
             return rows
         with self._lock:
             self._check_open()
             hit, addr, length, seq, sealed = self._blocks.resolve(k0, k1, self._allocator.image_regions(),
+                                                                  count_hits=for_read,
                                                                   durable_ends=self._allocator.image_durable_ends())
+            if for_read:
+                self._touch_regions(addr.tolist())
         for name, column in (("found", True), ("logical_offset", addr), ("length", length), ("seq", seq),
                              ("sealed", sealed)):
             rows[name][hit] = column

@@ -85,10 +85,10 @@ class GetReplies:
         if not msg.keys:
             return p.GetReply(msg.request_id, ())
         for attempt in range(GET_READ_TRIES):
-            layout, slots = self._lay_out(msg, session)
+            layout, slots, located = self._lay_out(msg, session)
             try:
                 placed = self._engine.get_many_placed([msg.keys[i] for i in layout.hits], slots,
-                                                      verify_payload=not msg.reader_verifies)
+                                                      verify_payload=not msg.reader_verifies, located=located)
                 break
             except EngineError:  # a block outgrew its slot since it was located: locate it again
                 if attempt + 1 == GET_READ_TRIES:
@@ -106,7 +106,7 @@ class GetReplies:
         (the reader asks again); its blocks were never handed to ``on_chunk``."""
         if not msg.keys:
             return p.GetReply(msg.request_id, ())
-        layout, slots = self._lay_out(msg, session)
+        layout, slots, located = self._lay_out(msg, session)
         on_layout(layout)
         keys = [msg.keys[i] for i in layout.hits]
         placed: list = [None] * len(layout.hits)
@@ -119,7 +119,8 @@ class GetReplies:
                 end += 1
             try:
                 placed[start:end] = self._engine.get_many_placed(keys[start:end], slots[start:end],
-                                                                 verify_payload=not msg.reader_verifies)
+                                                                 verify_payload=not msg.reader_verifies,
+                                                                 located=located[start:end])
             except EngineError:
                 deferred += layout.hits[start:end]
             else:
@@ -134,12 +135,14 @@ class GetReplies:
             blocks[i] = p.DEFERRED
         return p.GetReply(msg.request_id, tuple(blocks))
 
-    def _lay_out(self, msg: p.Get, session: Session) -> tuple[ReplyLayout, list[memoryview]]:
-        """The reply's layout over the keys' current locations, and its slots in a buffer lent for it."""
-        layout = lay_out_reply(self._engine.locate_buffer(packed_keys(msg.keys)), self._limits.payload_bytes_max,
-                               self._buffers.arenas.arena_bytes)
+    def _lay_out(self, msg: p.Get, session: Session) -> tuple[ReplyLayout, list[memoryview], np.ndarray]:
+        """The reply's layout over the keys' current locations, its slots in a buffer lent for it, and
+        the answered hits' locations (read there: the keys are resolved once)."""
+        locations = self._engine.locate_buffer(packed_keys(msg.keys), for_read=True)
+        layout = lay_out_reply(locations, self._limits.payload_bytes_max, self._buffers.arenas.arena_bytes)
         buffer = self._buffers.reply_buffer(session, layout.buffer_bytes)
-        return layout, [buffer[start:start + size] for start, size in zip(layout.slot_starts, layout.slot_bytes)]
+        return layout, [buffer[start:start + size] for start, size in zip(layout.slot_starts, layout.slot_bytes)], \
+            locations[layout.hits]
 
     def _reply(self, msg: p.Get, layout: ReplyLayout, slots: list, placed: list) -> p.GetReply:
         blocks: list = [None] * layout.answered + [p.DEFERRED] * (len(msg.keys) - layout.answered)
