@@ -30,7 +30,7 @@ GDS_BACKENDS = ("GDS_MT", "GDS")  # GPU-memory file backends, best first
 
 
 def _load_nixl():
-    from .nixl_transport import NixlUnavailable, load_nixl
+    from .nixl_agent import NixlUnavailable, load_nixl
 
     try:
         return load_nixl()

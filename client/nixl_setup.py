@@ -19,7 +19,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Sequence
 
-from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlTransport, NixlUnavailable, nixl_importable
+from .nixl_agent import NixlUnavailable, nixl_importable
+from .nixl_transport import NIXL_SETUP_TIMEOUT_S, NixlTransport
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from kvtier.common.keys import Namespace, layer_group_key
 from kvtier.wire import events as p
 
 from .direct_reader import DirectLocation, DirectReader
-from .nixl_transport import NixlFetchFailed
+from .nixl_agent import NixlFetchFailed
 from .owner_pool import OWNER_ERRORS, OwnerBatch, OwnerPool, WriteQuorumError
 from .routing import positions_by_owner
 from .scatter_plan import Landing, LandedBlock
