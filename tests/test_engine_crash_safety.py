@@ -724,3 +724,29 @@ def test_every_crash_state_while_staging_keeps_the_staging_regions_tombstones_fo
     fill(engine, [20])
     seal(engine)
     check_every_crash_state(log, cfg, lambda engine, label: check_after_staging_crash(engine))
+
+
+def test_a_seal_writes_its_trailer_page_after_every_other_write_of_the_seal():
+    """A process killed mid-seal must not leave a trailer that says sealed over blocks never written
+    (recovery trusts a sealed region's summary): the seal's writes run as one parallel batch over the
+    devices, so the trailer's page is a batch of its own, issued once the others are done."""
+    engine, _, _ = mem_engine(regions=6)
+    fill(engine, range(3))  # part of the open region, in its image
+    array = engine._allocator._array
+    batches, write_ranges = [], array.write_ranges
+
+    def recording(ranges):
+        ranges = list(ranges)
+        batches.append([(offset, view.nbytes) for offset, view in ranges])
+        return write_ranges(ranges)
+
+    array.write_ranges = recording
+    region = engine.block_info(key(0))["region"]
+    seal(engine)
+    array.write_ranges = write_ranges
+    end = (region + 1) * engine.region_size_bytes
+    batches = [b for b in ([(o, n) for o, n in batch if end - engine.region_size_bytes <= o < end] for batch in batches)
+               if b]  # this region's writes, batch by batch
+    assert batches[-1] == [(end - 4096, 4096)], batches
+    assert all(offset + nbytes <= end - 4096 for batch in batches[:-1] for offset, nbytes in batch), batches
+    engine.close()

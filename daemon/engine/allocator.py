@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Callable
 
-from kvtier.common.aligned import align_down, aligned_buffer
+from kvtier.common.aligned import ALIGNMENT_BYTES, align_down, aligned_buffer
 
 from . import regionfmt as fmt
 from .blockmap import BlockMap
@@ -205,11 +205,16 @@ class Allocator:
 
     def _seal_write(self, image: OpenRegion, writes: list, entries_first: list) -> set[int]:
         """On the sealer thread: after any commit still writing older copies of these pages (and
-        ``entries_first`` before the rest), without the prefix those commits wrote."""
+        ``entries_first`` before the rest), without the prefix those commits wrote; the trailer's
+        page last, once every other write of the seal is done, so that a process killed mid-seal
+        leaves a region whose trailer says sealed only with its blocks all written."""
         image.wait_io_idle()
         touched = self._array.write_ranges(entries_first) if entries_first else set()
-        return touched | self._array.write_ranges(_after(writes, image.region * self._region_size +
-                                                         align_down(image.written_end)))
+        base = image.region * self._region_size
+        body = _after(writes, base + align_down(image.written_end))
+        last_page = base + self._region_size - ALIGNMENT_BYTES
+        touched |= self._array.write_ranges(_before(body, last_page))
+        return touched | self._array.write_ranges(_after(body, last_page))
 
     def reap_seal(self, wait: bool) -> None:
         """Finish the in-flight seal (waiting for it if ``wait``): the region becomes SEALED. So is
@@ -392,6 +397,16 @@ def wait_bounded(fut: Future, what: str) -> DeviceError | None:
     if error is not None and not isinstance(error, DeviceError):
         raise error  # a bug in the write path
     return error
+
+
+def _before(writes: list, end: int) -> list:
+    """``(offset, view)`` writes without their bytes from ``end`` on."""
+    out = []
+    for offset, view in writes:
+        keep = min(max(0, end - offset), view.nbytes)
+        if keep:
+            out.append((offset, view[:keep]))
+    return out
 
 
 def _after(writes: list, start: int) -> list:
