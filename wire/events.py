@@ -123,6 +123,7 @@ class RemoteError(ClientError):
             pass
         super().__init__(f"{getattr(code, 'name', code)}: {message}")
         self.code = code
+        self.message = message
         self.request_id = request_id
 
 

@@ -33,7 +33,7 @@ class Channel(WireChannel):
         except p.RemoteError as exc:
             if exc.code == p.ErrorCode.AUTH:
                 raise UpstreamAuthError(f"the upstream {host}:{port} refused our token: {exc}") from None
-            raise UpstreamProtocolError(exc.code, str(exc).split(": ", 1)[-1]) from None
+            raise UpstreamProtocolError(exc.code, exc.message) from None
         except p.ProtocolError as exc:
             raise UpstreamProtocolError(exc.code, f"the upstream broke the protocol: {exc}") from None
         except p.ConnectionLost:
@@ -47,13 +47,13 @@ class Channel(WireChannel):
     def features(self) -> tuple[str, ...]:
         return tuple(self.info.get("features", ()))
 
-    def exchange(self, messages: list, deadline: float, into=None, on_sent=None) -> list:
+    def exchange(self, messages: list, deadline: float) -> list:
         """Pipeline ``messages`` and return their replies in order, all before ``deadline``.
         An ERROR reply raises UpstreamProtocolError (with its code) once every reply is read."""
         try:
             return super().exchange(messages, deadline=deadline)
         except p.RemoteError as exc:
-            raise UpstreamProtocolError(exc.code, str(exc).split(": ", 1)[-1]) from None
+            raise UpstreamProtocolError(exc.code, exc.message) from None
         except socket.timeout:
             raise UpstreamTimeout("the upstream did not answer within the timeout") from None
         except p.ConnectionLost:
