@@ -102,7 +102,7 @@ def test_bad_block_is_refused_and_named(kvtierd):
         with pytest.raises(RemoteError, match="CRC") as info:
             c.put(key, bytes(block))
         assert info.value.code.name == "BAD_BLOCK"
-        with pytest.raises(RemoteError, match="item 0.*not the item's key"):
+        with pytest.raises(RemoteError, match="item 0.*not the expected"):
             c.put(keys_of(1, 7)[0], make_block(key, 100))
         assert c.get(key) is None and c.lookup([key]) == 0
 

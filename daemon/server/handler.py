@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from kvtier.common.cluster_url import PREPLACE_CLIENT_NAME
-from kvtier.common.blockformat import BlockFormatError, decode_header
+from kvtier.common.blockformat import BlockFormatError, check_header, decode_header
 from kvtier.common.tokens import token_matches
 from kvtier.daemon.engine import (BlockTooLargeError, DeviceError, EngineBugError, EngineError, EngineFailedError,
                                   NoSpaceError, WaitTimeoutError)
@@ -202,33 +202,25 @@ class RequestHandler:
             self._engine.abort_put(reservation)
 
     def _put(self, msg: p.Put, session, token):
-        """Headers and keys are checked here (naming the item); the engine
-        verifies every payload CRC before it stores any block of the batch
-        (where it landed, for a payload received into the open region)."""
+        """A payload received into the open region is checked where it landed, by the commit; any
+        other here, headers and keys, and its payload CRCs by put_many before it stores any block.
+        Either way a bad block is BAD_BLOCK naming its item, and nothing of the frame is stored."""
         reservation, session.put_reservation = session.put_reservation, None
         try:
-            return self._put_checked(msg, reservation)
+            if reservation is not None:
+                seqs = self._engine.commit_put(reservation, durable=msg.durable)
+            else:
+                for index, (key, block) in enumerate(zip(msg.keys, msg.blocks)):
+                    try:
+                        check_header(decode_header(block), len(block), expected_key=key)
+                    except BlockFormatError as exc:
+                        raise BlockFormatError(f"PUT item {index} (key {bytes(key).hex()}): {exc}; nothing stored") \
+                            from None
+                seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable, skip_deleted=msg.skip_deleted)
+            return p.PutReply(msg.request_id, tuple(seqs)), False
         finally:
             if reservation is not None:
                 self._engine.abort_put(reservation)  # a no-op once committed
-
-    def _put_checked(self, msg: p.Put, reservation):
-        for index, (key, block) in enumerate(zip(msg.keys, msg.blocks)):
-            try:
-                header = decode_header(block)
-                if header.key != bytes(key):
-                    raise BlockFormatError(f"block key {header.key.hex()} is not the item's key")
-                if header.block_size != len(block):
-                    raise BlockFormatError(f"block is {len(block)} bytes, its header says {header.block_size}")
-            except BlockFormatError as exc:
-                self._stats.error(p.ErrorCode.BAD_BLOCK.name)
-                return p.ErrorReply(msg.request_id, p.ErrorCode.BAD_BLOCK,
-                                    f"PUT item {index} (key {bytes(key).hex()}): {exc}; nothing stored"), False
-        if reservation is not None:
-            seqs = self._engine.commit_put(reservation, durable=msg.durable)
-        else:
-            seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable, skip_deleted=msg.skip_deleted)
-        return p.PutReply(msg.request_id, tuple(seqs)), False
 
     def _delete(self, msg: p.Delete, session, token):
         return p.DeleteReply(msg.request_id, tuple(self._engine.delete_many(list(msg.keys)))), False
