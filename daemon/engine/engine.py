@@ -56,7 +56,7 @@ from .fail_closed import fails_closed
 from .get_driver import GetDriver
 from .locations import BlockLocation
 from .pins_and_deletes import PinsAndDeletes
-from .puts import Puts, Reservation
+from .puts import Puts, Reservation, verify_item
 from .raid0 import StripedArray
 from .reader import BlockReader
 from .rebuild import rebuild
@@ -169,14 +169,19 @@ class Engine:
         return self.put_many([block], durable)[0]
 
     @fails_closed
-    def put_many(self, blocks: Iterable, durable: bool = False, skip_deleted: bool = False) -> list[int]:
+    def put_many(self, blocks: Iterable, durable: bool = False, skip_deleted: bool = False,
+                 keys: Sequence | None = None) -> list[int]:
         """Store blocks; with ``durable`` they are on flash and synced on return. All are validated before any is
         stored. A batch failing after it crossed into a new region keeps what it placed before (:mod:`.take_back`).
-        ``skip_deleted``: a key deleted here lately (:mod:`.deleted_keys`) is not stored, its seq 0."""
+        ``skip_deleted``: a key deleted here lately (:mod:`.deleted_keys`) is not stored, its seq 0. ``keys``:
+        the key each block was sent under (a request's items), checked with it, a failure naming the item."""
+        blocks = list(blocks)
+        if keys is not None and len(keys) != len(blocks):
+            raise BadArgumentError(f"{len(blocks)} blocks but {len(keys)} keys")
         views, headers = [], []
         for i, block in enumerate(blocks):
             view = memoryview(block).cast("B")
-            header = verify_block(view)
+            header = verify_block(view) if keys is None else verify_item(view, i, keys[i])
             if view.nbytes > self.block_size_max_bytes:
                 raise BlockTooLargeError(f"block {i} of {view.nbytes} bytes is larger than a region can hold: "
                                   f"{self.block_size_max_bytes} bytes (region_size_bytes={self._region_size})")

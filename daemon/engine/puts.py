@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, verify_block
+from kvtier.common.blockformat import HEADER_SIZE, BlockFormatError, BlockHeader, verify_block
 
 from . import regionfmt as fmt
 from .allocator import Allocator
@@ -73,6 +73,7 @@ class Reservation:
 class _Batch:
     """What put_many has answered so far of its blocks."""
 
+    keys: list[bytes]
     k0: np.ndarray
     k1: np.ndarray
     seqs: list[int]
@@ -99,8 +100,9 @@ class Puts:
     # -- put_many: reservations filled by copying ---------------------------------
     def put_many(self, views: list[memoryview], headers: list, durable: bool, skip_deleted: bool) -> list[int]:
         """Store verified blocks (``headers``: theirs); their seqs, 0 for one skipped as deleted."""
-        k0, k1 = fmt.keys_to_halves([h.key for h in headers])
-        batch = _Batch(k0, k1, [0] * len(views), {}, [], [])
+        keys = [h.key for h in headers]
+        k0, k1 = fmt.keys_to_halves(keys)
+        batch = _Batch(keys, k0, k1, [0] * len(views), {}, [], [])
         todo = list(range(len(views)))
         while todo:
             reservation, chunk, todo = self._reserve_next(views, todo, batch, skip_deleted)
@@ -155,8 +157,7 @@ class Puts:
                 chunk = new[:count]
                 for i in chunk:
                     batch.first_of[(int(batch.k0[i]), int(batch.k1[i]))] = i
-                return self._reserve_here([views[i].nbytes for i in chunk],
-                                          [fmt.halves_to_key(int(batch.k0[i]), int(batch.k1[i])) for i in chunk]), \
+                return self._reserve_here([views[i].nbytes for i in chunk], [batch.keys[i] for i in chunk]), \
                     chunk, new[count:]
 
     def _new_keys(self, todo: list[int], batch: _Batch, skip_deleted: bool):
@@ -226,10 +227,10 @@ class Puts:
         headers, pos = [], 0
         for i, (key, length) in enumerate(zip(reservation.keys, reservation.lengths)):
             try:
-                headers.append(verify_block(reservation.view[pos:pos + length], expected_key=key))
-            except BlockFormatError as exc:
+                headers.append(verify_item(reservation.view[pos:pos + length], i, key))
+            except BlockFormatError:
                 self.abort(reservation)
-                raise BlockFormatError(f"PUT item {i} (key {key.hex()}): {exc}; nothing stored") from None
+                raise
             pos += length
         placed: list[tuple] = []
         seqs = self._place(reservation, headers, placed, received_in_place=True)
@@ -309,6 +310,15 @@ class Puts:
                 except DeviceError:
                     pass  # failed again (counted): every later commit writes them
             raise
+
+
+def verify_item(view, index: int, key) -> BlockHeader:
+    """``view`` checked as PUT item ``index``, of ``key``: header, key, length and payload CRC;
+    BlockFormatError naming the item where it fails."""
+    try:
+        return verify_block(view, expected_key=bytes(key))
+    except BlockFormatError as exc:
+        raise BlockFormatError(f"PUT item {index} (key {bytes(key).hex()}): {exc}; nothing stored") from None
 
 
 def _zero_if_failed(kind, reservation: Reservation) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from kvtier.common.cluster_url import PREPLACE_CLIENT_NAME
-from kvtier.common.blockformat import BlockFormatError, check_header, decode_header
+from kvtier.common.blockformat import BlockFormatError
 from kvtier.common.tokens import token_matches
 from kvtier.daemon.engine import (BlockTooLargeError, DeviceError, EngineBugError, EngineError, EngineFailedError,
                                   NoSpaceError, WaitTimeoutError)
@@ -202,21 +202,16 @@ class RequestHandler:
             self._engine.abort_put(reservation)
 
     def _put(self, msg: p.Put, session, token):
-        """A payload received into the open region is checked where it landed, by the commit; any
-        other here, headers and keys, and its payload CRCs by put_many before it stores any block.
-        Either way a bad block is BAD_BLOCK naming its item, and nothing of the frame is stored."""
+        """Every block is checked once, against its item's key, before any is stored: where it landed
+        by the commit for a payload received into the open region, else by put_many. Either way a
+        bad block is BAD_BLOCK naming its item, and nothing of the frame is stored."""
         reservation, session.put_reservation = session.put_reservation, None
         try:
             if reservation is not None:
                 seqs = self._engine.commit_put(reservation, durable=msg.durable)
             else:
-                for index, (key, block) in enumerate(zip(msg.keys, msg.blocks)):
-                    try:
-                        check_header(decode_header(block), len(block), expected_key=key)
-                    except BlockFormatError as exc:
-                        raise BlockFormatError(f"PUT item {index} (key {bytes(key).hex()}): {exc}; nothing stored") \
-                            from None
-                seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable, skip_deleted=msg.skip_deleted)
+                seqs = self._engine.put_many(list(msg.blocks), durable=msg.durable, skip_deleted=msg.skip_deleted,
+                                             keys=msg.keys)
             return p.PutReply(msg.request_id, tuple(seqs)), False
         finally:
             if reservation is not None:
