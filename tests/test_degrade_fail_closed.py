@@ -69,12 +69,18 @@ def test_unexpected_engine_exception_exits_non_zero_and_restart_recovers(tmp_pat
         assert again.stop() == 0, again.log_tail()
 
 
-def test_failed_engine_makes_the_daemon_not_ready_and_refuses_requests(tmp_path):
+def in_process_daemon(tmp_path, admin: str = "none") -> Daemon:
+    """A kvtierd in this process on small devices, started and ready."""
     cfg = config_from_args(["--data-dir", str(tmp_path / "d"), "--device-size", "64m", "--region-size", "4m",
-                            "--stripe-size", "256k", "--listen", "127.0.0.1:0", "--admin", "none"])
+                            "--stripe-size", "256k", "--listen", "127.0.0.1:0", "--admin", admin])
     daemon = Daemon(cfg)
     daemon.start()
     daemon.state.set_ready(True)
+    return daemon
+
+
+def test_failed_engine_makes_the_daemon_not_ready_and_refuses_requests(tmp_path):
+    daemon = in_process_daemon(tmp_path)
     try:
         engine = daemon.state.engine
         engine.fail("AssertionError in Put: test")
@@ -97,11 +103,7 @@ def test_a_bug_outside_the_engine_fails_its_request_and_connection_and_the_daemo
     from kvtier.daemon.admin.view import AdminStateView
     from kvtier.wire import connection as p
 
-    cfg = config_from_args(["--data-dir", str(tmp_path / "d"), "--device-size", "64m", "--region-size", "4m",
-                            "--stripe-size", "256k", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-    daemon = Daemon(cfg)
-    daemon.start()
-    daemon.state.set_ready(True)
+    daemon = in_process_daemon(tmp_path, admin="127.0.0.1:0")
     try:
         handler = daemon.state.data_server._handler
 

@@ -552,18 +552,19 @@ class RegionManager:
         journal.write(Rescue(victim, int(table.base_seq[victim]), [(block, True) for _, block in kept], records))
         if table.state[victim] == RegionState.SEALED:  # free it: its kept blocks leave its accounting now
             table.begin_reclaim(victim)
-            for slot, block in kept:
-                table.drop_blocks(np.array([victim]), np.array([len(block)]), np.array([True]))
+            table.drop_blocks(np.full(len(kept), victim), np.array([len(block) for _, block in kept], np.int64),
+                              np.ones(len(kept), bool))
             self._blocks.forget(np.setdiff1d(slots, [slot for slot, _ in kept]))
             table.release(victim)
         table.take_free_region(victim)  # its new header lands with the commit below
         self._allocator.open_region(victim)
         self._allocator.held_region = victim
         for slot, block in kept:
-            addr, seq = self._allocator.append_moved(memoryview(block), decode_header(block), True)
+            header = decode_header(block)
+            addr, seq = self._allocator.append_moved(memoryview(block), header, True)
             delta = seq - int(table.base_seq[victim])
             if slot < 0:
-                k0, k1 = fmt.key_to_halves(decode_header(block).key)
+                k0, k1 = fmt.key_to_halves(header.key)
                 self._blocks.insert_appended([(k0, k1, addr, len(block), delta)])
                 slot = index.find(k0, k1)
             index.addr[slot] = addr
