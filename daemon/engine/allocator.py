@@ -249,10 +249,9 @@ class Allocator:
             error = wait_bounded(fut, what)
             if error is None:
                 return True, fut
-            if not retried:
-                self._counters.device_errors += 1  # (write_and_sync counts its own)
             if retried:
                 raise error
+            self._counters.device_errors += 1  # (write_and_sync counts its own, the retry's)
             fut = None
             if not wait:
                 return False, None
